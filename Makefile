@@ -1,0 +1,31 @@
+# `make demo` and `make test` set everything up on a fresh machine: a pinned .venv holding torch and the
+# real upstream packages (see requirements/), then run.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+export HF_HUB_OFFLINE := 1
+
+.PHONY: demo test bench clean
+
+$(VENV)/.installed: pyproject.toml requirements/test.txt requirements/upstream.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	# torch first and named in every command: installing its dependents alone can replace it.
+	$(PIP) install --quiet torch==2.14.1 torchvision==0.29.1
+	$(PIP) install --quiet -r requirements/test.txt
+	$(PIP) install --quiet --no-deps -r requirements/upstream.txt
+	$(PIP) install --quiet --no-deps --no-build-isolation -e .
+	touch $@
+
+demo: $(VENV)/.installed
+	$(PY) -m gradpatch.demo
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -n 2 --durations=15
+
+bench: $(VENV)/.installed
+	for script in benchmarks/*.py; do $(PY) $$script --quick || exit 1; done
+
+clean:
+	rm -rf $(VENV) build dist .pytest_cache

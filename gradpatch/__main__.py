@@ -1,0 +1,3 @@
+from gradpatch.cli import main
+
+raise SystemExit(main())

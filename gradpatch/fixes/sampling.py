@@ -1,0 +1,311 @@
+"""Differentiable sampling: what every fix of a ``@torch.no_grad()`` sampler shares.
+
+A patched sampler takes ``cache: bool = True``. ``cache=True`` calls the original, unchanged: no graph,
+``self.eval()``, caches reused, the same outputs bit for bit. ``cache=False`` runs the undecorated body
+inside :func:`differentiable`: gradients enabled, the model's ``eval()`` made a no-op so train/eval
+modes stay as the caller set them (dropout stays on for a student in train mode), and the memory
+options below visible to :func:`run_step`, which the fixes call around each denoiser evaluation.
+Everything is restored on exit, also when sampling raises. ``cache=False`` inside
+:func:`torch.inference_mode` raises: no graph can be recorded there.
+
+Memory. Backpropagating through N steps keeps N copies of the denoiser's activations. Two keyword-only
+options bound that (used with ``cache=False``):
+
+* ``grad_steps=K``: only the last K steps build a graph; the denoiser evaluations of the first N-K steps
+  run under ``no_grad`` (truncated backpropagation, as in DRaFT-K and AlignProp). For one-step solvers
+  (Euler, midpoint, RK4) gradients then equal those of a run that detaches the state before step N-K.
+  ``K >= N`` is the plain run.
+* ``checkpoint_steps=True``: each denoiser evaluation is recomputed during backward instead of stored
+  (non-reentrant :func:`torch.utils.checkpoint.checkpoint`, which replays the RNG, so dropout agrees),
+  so saved memory grows by about one latent per step instead of one set of activations, at the cost of
+  a second forward per evaluation. Gradients equal the plain run's. Never wrap a scheduler's ``step``
+  this way: schedulers keep state that a recompute would advance twice.
+
+ODE samplers (F5-TTS, E2-TTS) call ``torchdiffeq.odeint(fn, y0, t, ...)`` through a module global.
+:func:`stepped_odeint` replaces that global: while a ``cache=False`` call with either option is active
+in the calling context it hands torchdiffeq a right-hand side that learns the solver step from
+torchdiffeq's ``callback_step`` (called once before each step; unambiguous for midpoint and RK4, whose
+later evaluations fall inside or at the end of the interval) and runs every evaluation through
+:func:`run_step`; otherwise it calls the original straight through.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import threading
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from typing import Any, Callable, ContextManager, Iterator, TypeVar
+
+import torch
+import torch.utils.checkpoint
+
+T = TypeVar("T")
+
+FIXED_GRID_METHODS = frozenset({"euler", "midpoint", "rk4", "heun2", "heun3",
+                                "explicit_adams", "implicit_adams", "fixed_adams"})
+"""torchdiffeq methods that take exactly one step per interval of the ``t`` they are given."""
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    """The memory options of one ``cache=False`` call."""
+
+    grad_steps: int | None = None
+    checkpoint_steps: bool = False
+
+    def __post_init__(self) -> None:
+        if self.grad_steps is not None and (not isinstance(self.grad_steps, int) or self.grad_steps < 1):
+            raise ValueError(f"grad_steps must be a positive integer or None, not {self.grad_steps!r}")
+
+
+@dataclass
+class SamplingRun:
+    """One ``cache=False`` call in progress: its options, how many denoiser evaluations went through
+    :func:`run_step` (a fix can check that its options took effect), and the scopes (attribute
+    shadows) that hold while it is active, which a checkpoint recompute during backward re-enters."""
+
+    options: SamplingOptions
+    evaluations: int = 0
+    scopes: list[Callable[[], ContextManager[Any]]] = field(default_factory=list, repr=False)
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        """Make this run current and its scopes hold, for the duration of the block."""
+        token = _current.set(self)
+        try:
+            with contextlib.ExitStack() as stack:
+                for scope in self.scopes:
+                    stack.enter_context(scope())
+                yield
+        finally:
+            _current.reset(token)
+
+    def enter(self, stack: contextlib.ExitStack, scope: Callable[[], ContextManager[Any]]) -> None:
+        """Enter ``scope`` now (on ``stack``) and on every later :meth:`active`."""
+        self.scopes.append(scope)
+        stack.enter_context(scope())
+
+
+_current: ContextVar[SamplingRun | None] = ContextVar("gradpatch_sampling", default=None)
+
+
+def sampling_options(cache: bool, grad_steps: int | None, checkpoint_steps: bool) -> SamplingOptions:
+    """Validate the keywords a patched sampler received."""
+    if cache and (grad_steps is not None or checkpoint_steps):
+        raise ValueError("grad_steps and checkpoint_steps control the graph built with cache=False; "
+                         "with cache=True no graph is built. Pass cache=False as well.")
+    return SamplingOptions(grad_steps, bool(checkpoint_steps))
+
+
+def active_options() -> SamplingOptions | None:
+    """The options of the ``cache=False`` call in progress in this context, if any."""
+    run = _current.get()
+    return None if run is None else run.options
+
+
+# Instance-attribute shadows. One shadow per (object, name) is shared by concurrent calls (reference
+# counted) and acts only in contexts where a cache=False call is active: another thread sampling the
+# same model with cache=True at the same time still gets the real eval(), cache and clear_cache().
+_lock = threading.Lock()
+_shadows: dict[tuple[int, str], list[Any]] = {}  # key -> [users, had_own_attribute, own_value]
+
+
+@contextlib.contextmanager
+def _shadow(obj: object, name: str, make: Callable[[Any], Any]) -> Iterator[None]:
+    key = (id(obj), name)
+    with _lock:
+        entry = _shadows.get(key)
+        if entry is None:
+            own = vars(obj)
+            entry = _shadows[key] = [0, name in own, own.get(name)]
+            object.__setattr__(obj, name, make(getattr(obj, name)))
+        entry[0] += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            entry[0] -= 1
+            if entry[0] == 0:
+                del _shadows[key]
+                if entry[1]:
+                    object.__setattr__(obj, name, entry[2])
+                else:
+                    object.__delattr__(obj, name)
+
+
+def _keep_mode(model: Any, real_eval: Callable[[], Any]) -> Callable[[], Any]:
+    def eval() -> Any:  # noqa: A001 - stands in for Module.eval
+        return model if _current.get() is not None else real_eval()
+
+    return eval
+
+
+def _no_cache(forward: Callable[..., T]) -> Callable[..., T]:
+    @functools.wraps(forward)
+    def call(*args: Any, **kwargs: Any) -> T:
+        if "cache" in kwargs and _current.get() is not None:
+            kwargs["cache"] = False
+        return forward(*args, **kwargs)
+
+    return call
+
+
+def _no_clear(clear: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(clear)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return None if _current.get() is not None else clear(*args, **kwargs)
+
+    return call
+
+
+@contextlib.contextmanager
+def differentiable(model: object | None, options: SamplingOptions) -> Iterator[SamplingRun]:
+    """Grad on, ``model.eval()`` a no-op and ``options`` active, for the duration of the block.
+
+    Yields the :class:`SamplingRun`. The ``eval`` shadow is an instance attribute of ``model`` only
+    (submodules are untouched) and is removed on exit, also when the block raises.
+    """
+    if torch.is_inference_mode_enabled():
+        raise RuntimeError("cache=False records a graph, which torch.inference_mode() forbids; call the "
+                           "sampler outside inference_mode (no_grad is fine: cache=False enables grad)")
+    run = SamplingRun(options)
+    if model is not None:
+        run.scopes.append(functools.partial(_shadow, model, "eval", functools.partial(_keep_mode, model)))
+    with run.active(), torch.enable_grad():
+        yield run
+
+
+@contextlib.contextmanager
+def text_cache_off(denoiser: object) -> Iterator[None]:
+    """While a ``cache=False`` call is active, calls of ``denoiser`` that pass ``cache=`` get
+    ``cache=False`` and ``denoiser.clear_cache()`` does nothing (nothing was cached, and F5 >= 1.1.20
+    would otherwise create its lazy thread-local cache, which ``copy.deepcopy`` cannot copy).
+
+    A cache reused across steps holds a tensor computed once, under the first step's graph; with
+    gradients on it goes stale across backward calls, and a per-step checkpoint recompute reads it
+    instead of computing it (``CheckpointError``). Denoisers that take no ``cache`` are unaffected.
+    """
+    run = _current.get()
+    if run is None or not isinstance(denoiser, torch.nn.Module):
+        yield
+        return
+    with contextlib.ExitStack() as stack:
+        run.enter(stack, functools.partial(_shadow, denoiser, "forward", _no_cache))
+        if callable(getattr(denoiser, "clear_cache", None)):
+            run.enter(stack, functools.partial(_shadow, denoiser, "clear_cache", _no_clear))
+        yield
+
+
+def run_step(step: int, total: int, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """Evaluate the denoiser for step ``step`` (0-based) of ``total`` under the active options.
+
+    Outside a ``cache=False`` call, or with grad disabled, this is ``fn(*args, **kwargs)``. A
+    checkpointed evaluation is recomputed during backward, after the call returned: the recompute
+    re-enters the run (:meth:`SamplingRun.active`), so it sees the same shadows (e.g. the backbone's
+    cache still off) as the forward did.
+    """
+    run = _current.get()
+    if run is None or not torch.is_grad_enabled():
+        return fn(*args, **kwargs)
+    run.evaluations += 1
+    options = run.options
+    if options.grad_steps is not None and step < total - options.grad_steps:
+        with torch.no_grad():
+            return fn(*args, **kwargs)
+    if options.checkpoint_steps:
+        def replay(*args: Any, **kwargs: Any) -> T:  # the recompute in backward runs outside the call
+            if _current.get() is run:
+                return fn(*args, **kwargs)
+            with run.active():
+                return fn(*args, **kwargs)
+
+        return torch.utils.checkpoint.checkpoint(replay, *args, use_reentrant=False, **kwargs)  # type: ignore[return-value]
+    return fn(*args, **kwargs)
+
+
+class _Stepped:
+    """An ODE right-hand side that knows its solver step from torchdiffeq's ``callback_step``."""
+
+    def __init__(self, func: Callable[..., Any], total: int) -> None:
+        self.func, self.total, self.step = func, total, -1
+
+    def __call__(self, t: torch.Tensor, y: Any) -> Any:
+        # Adaptive solvers evaluate once before their first step (initial step size): count it as step 0.
+        return run_step(max(self.step, 0), self.total, self.func, t, y)
+
+    def callback_step(self, t0: torch.Tensor, y0: Any, dt: torch.Tensor) -> None:
+        self.step += 1
+        own = getattr(self.func, "callback_step", None)
+        if own is not None:
+            own(t0, y0, dt)
+
+    def __getattr__(self, name: str) -> Any:  # the user's other callbacks, if any
+        return getattr(self.__dict__["func"], name)
+
+
+def _total_steps(t: torch.Tensor, kwargs: dict[str, Any], options: SamplingOptions) -> int:
+    if options.grad_steps is None:
+        return 0
+    method, solver = kwargs.get("method"), kwargs.get("options") or {}
+    if (method not in FIXED_GRID_METHODS or "step_size" in solver or "grid_constructor" in solver
+            or kwargs.get("event_fn") is not None):
+        raise ValueError(f"grad_steps needs a fixed-grid solver stepping on the time points given "
+                         f"({', '.join(sorted(FIXED_GRID_METHODS))}); this sampler calls odeint with "
+                         f"method={method!r}, options={solver!r}. Use checkpoint_steps instead.")
+    return len(t) - 1
+
+
+def stepped_odeint(original: Callable[..., T]) -> Callable[..., T]:
+    """Fix factory for a module global ``odeint`` (torchdiffeq): see the module docstring."""
+
+    @functools.wraps(original)
+    def odeint(func: Callable[..., Any], y0: Any, t: torch.Tensor, *args: Any, **kwargs: Any) -> T:
+        run = _current.get()
+        if run is None or (run.options.grad_steps is None and not run.options.checkpoint_steps):
+            return original(func, y0, t, *args, **kwargs)
+        return original(_Stepped(func, _total_steps(t, kwargs, run.options)), y0, t, *args, **kwargs)
+
+    return odeint
+
+
+def _with_keywords(signature: inspect.Signature) -> inspect.Signature:
+    params = list(signature.parameters.values())
+    extra = [inspect.Parameter("cache", inspect.Parameter.KEYWORD_ONLY, default=True, annotation="bool"),
+             inspect.Parameter("grad_steps", inspect.Parameter.KEYWORD_ONLY, default=None,
+                               annotation="int | None"),
+             inspect.Parameter("checkpoint_steps", inspect.Parameter.KEYWORD_ONLY, default=False,
+                               annotation="bool")]
+    at = next((i for i, p in enumerate(params) if p.kind is inspect.Parameter.VAR_KEYWORD), len(params))
+    return signature.replace(parameters=params[:at] + extra + params[at:])
+
+
+def differentiable_sampler(original: Callable[..., T], *, denoiser: str = "transformer") -> Callable[..., T]:
+    """Fix factory for a ``@torch.no_grad()`` sampler method ``sample(self, ...)`` that calls
+    ``self.eval()`` and evaluates ``self.<denoiser>`` (F5-TTS ``CFM.sample``, E2-TTS ``E2TTS.sample``).
+
+    The replacement takes ``cache=True`` (the original, called as it is) or ``cache=False`` (the
+    undecorated body under :func:`differentiable` and :func:`text_cache_off`), plus ``grad_steps`` and
+    ``checkpoint_steps``, which act through :func:`run_step` (for ODE samplers, via
+    :func:`stepped_odeint`); if they were asked for and no evaluation went through :func:`run_step`,
+    it raises rather than return a graph that silently ignored them. A new object per call.
+    """
+    raw = inspect.unwrap(original)
+
+    @functools.wraps(original)
+    def sample(self: Any, *args: Any, cache: bool = True, grad_steps: int | None = None,
+               checkpoint_steps: bool = False, **kwargs: Any) -> T:
+        options = sampling_options(cache, grad_steps, checkpoint_steps)
+        if cache:
+            return original(self, *args, **kwargs)
+        with differentiable(self, options) as run, text_cache_off(getattr(self, denoiser, None)):
+            out = raw(self, *args, **kwargs)
+        if (grad_steps is not None or checkpoint_steps) and run.evaluations == 0:
+            raise RuntimeError(f"{type(self).__name__}.sample: grad_steps/checkpoint_steps had no effect: no "
+                               "denoiser evaluation went through gradpatch's run_step (is the solver patch "
+                               "applied? see gradpatch.report())")
+        return out
+
+    sample.__signature__ = _with_keywords(inspect.signature(original))  # type: ignore[attr-defined]
+    return sample

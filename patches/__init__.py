@@ -1,0 +1,7 @@
+"""gradpatch's catalogue: one module per upstream codebase, each a list ``PATCHES`` of declarations.
+
+Installed as ``gradpatch.patches``. Adding a fork of a known-broken file costs a few lines in the
+module of its codebase: its fingerprint and where it came from.
+"""
+
+MODULES = ("audioldm",)
