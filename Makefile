@@ -19,7 +19,7 @@ $(VENV)/.installed: pyproject.toml requirements/test.txt requirements/upstream.t
 	touch $@
 
 demo: $(VENV)/.installed
-	$(PY) -m gradpatch.demo
+	$(PY) examples/finetune_audioldm.py
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -n 2 --durations=15

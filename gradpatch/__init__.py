@@ -46,7 +46,11 @@ _EXPORTS = {
     "PatchFailedWarning": "gradpatch.errors",
     "RevertWarning": "gradpatch.errors",
     "StartupWarning": "gradpatch.errors",
-    "checkpoint": "gradpatch.fixes.checkpoint",  # imports torch
+    "checkpoint": "gradpatch.fixes.checkpoint",  # these import torch
+    "trainable": "gradpatch.selective",
+    "explain_grads": "gradpatch.doctor",
+    "grad_doctor": "gradpatch.doctor",
+    "TrainableSummary": "gradpatch.selective",
 }
 __all__ = sorted(_EXPORTS)
 
@@ -56,6 +60,8 @@ if TYPE_CHECKING:
                                   RevertWarning, StartupWarning, UnknownCodeWarning)
     from gradpatch.fixes.checkpoint import checkpoint
     from gradpatch.registry import Patch, Record, Report, Status
+    from gradpatch.doctor import explain_grads, grad_doctor
+    from gradpatch.selective import TrainableSummary, trainable
     from gradpatch.settings import checkpoint_policy_scope, set_checkpoint_policy
 
 

@@ -122,7 +122,8 @@ def _apply_now(patch: Patch, module: ModuleType, *, late: bool) -> None:
                      "of the known-broken code, add this fingerprint to the catalogue.")
             return
         factory = resolve(patch.fix)
-        installed = install(patch.name, module, patch.qualname, factory, late=late)  # type: ignore[arg-type]
+        in_use = [other.replacement for other in _installed.values()]
+        installed = install(patch.name, module, patch.qualname, factory, late=late, in_use=in_use)  # type: ignore[arg-type]
     except Exception as exc:
         _record(patch, Status.FAILED, f"{type(exc).__name__}: {exc}", version=version)
         complain(PatchFailedWarning, f"gradpatch: patch {patch.name!r} failed on {patch.target} and "

@@ -6,6 +6,8 @@
                                     imported, so neither torch nor any target is loaded)
 ``gradpatch run [OPTIONS] -- CMD``  run CMD with gradpatch active in it and every Python process it
                                     starts (sets ``GRADPATCH*`` and execs, like ``ddtrace-run``)
+``gradpatch doctor SCRIPT [ARGS]``  run a training script and, after each backward, explain every
+                                    parameter that requires grad but got no gradient
 """
 from __future__ import annotations
 
@@ -126,6 +128,13 @@ def _run(args: argparse.Namespace) -> int:
         return 127
 
 
+def _doctor(args: argparse.Namespace) -> int:
+    from gradpatch.doctor import run_script
+
+    run_script(args.script, args.args)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="gradpatch", description="Make gradients flow through upstream diffusion code.")
     commands = parser.add_subparsers(dest="command_name", required=True)
@@ -140,6 +149,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     run.add_argument("--strict", action="store_true", help="raise instead of warning")
     run.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD [ARGS...]")
     run.set_defaults(handler=_run)
+    doctor = commands.add_parser("doctor", help="run a script and explain parameters that get no gradient")
+    doctor.add_argument("script", help="the training script")
+    doctor.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
+    doctor.set_defaults(handler=_doctor)
     args = parser.parse_args(argv)
     return int(args.handler(args))
 

@@ -13,7 +13,7 @@ import importlib
 import sys
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Callable
+from typing import Callable, Iterable
 
 from gradpatch.errors import RevertWarning, complain
 
@@ -59,11 +59,14 @@ class Installed:
 
 
 def rebind(original: object, replacement: object, skip: ModuleType) -> list[tuple[ModuleType, str]]:
-    """Point every module global that is ``original`` at ``replacement``; return where."""
+    """Point every module global that is ``original`` at ``replacement``; return where.
+
+    gradpatch's own modules are skipped: the fixes hold the objects they are built from.
+    """
     found = []
-    for module in list(sys.modules.values()):
+    for name, module in list(sys.modules.items()):
         namespace = getattr(module, "__dict__", None)
-        if module is skip or not isinstance(namespace, dict):
+        if module is skip or not isinstance(namespace, dict) or name.partition(".")[0] == "gradpatch":
             continue
         for name, value in list(namespace.items()):
             if value is original:
@@ -73,11 +76,13 @@ def rebind(original: object, replacement: object, skip: ModuleType) -> list[tupl
 
 
 def install(name: str, module: ModuleType, qualname: str, factory: Callable[[object], object],
-            *, late: bool) -> Installed:
+            *, late: bool, in_use: Iterable[object] = ()) -> Installed:
     owner, attr, original = locate(module, qualname)
     replacement = factory(original)
-    if replacement is original:
-        raise TypeError(f"fix factory for {name!r} returned the original object")
+    if replacement is original or any(replacement is other for other in in_use):
+        # Revert finds stale names by identity, so every target needs an object of its own.
+        raise TypeError(f"the fix for {name!r} returned the original or another target's object; "
+                        "a fix factory must build a new object per call")
     setattr(owner, attr, replacement)
     installed = Installed(name, owner, attr, original, replacement)
     if late and owner is module:
@@ -107,6 +112,45 @@ def uninstall(installed: Installed) -> None:
 _watched: set[str] = set()
 
 
+def _install_lock_free_finder() -> None:
+    """Swap wrapt's finder for one that never takes a module lock under the global import lock.
+
+    wrapt's ``ImportHookFinder.find_spec`` calls ``importlib.util.find_spec``, which imports the parent
+    package; when another thread is importing that parent, the two threads wait on each other forever
+    (one holds the global import lock, the other the parent's module lock). The subclass resolves the
+    spec through the remaining meta-path finders directly, with the ``path`` Python already computed,
+    as ddtrace's ModuleWatchdog does; wrapt's hook registry and chained loader are used unchanged.
+    """
+    from wrapt import importer
+
+    base = getattr(importer, "ImportHookFinder", None)
+    needed = ("_post_import_hooks", "_post_import_hooks_lock", "_ImportHookChainedLoader")
+    if base is None or not all(hasattr(importer, name) for name in needed):
+        return  # an unknown wrapt: keep its finder
+
+    class LockFreeImportHookFinder(base):  # type: ignore[misc, valid-type]
+        def find_spec(self, fullname, path=None, target=None):  # type: ignore[no-untyped-def]
+            with importer._post_import_hooks_lock:
+                if fullname not in importer._post_import_hooks or fullname in self.in_progress:
+                    return None
+                self.in_progress[fullname] = True
+            try:
+                for finder in list(sys.meta_path):
+                    find = getattr(finder, "find_spec", None)
+                    if isinstance(finder, base) or find is None:
+                        continue
+                    spec = find(fullname, path, target)
+                    if spec is not None:
+                        if spec.loader is not None and not isinstance(spec.loader, importer._ImportHookChainedLoader):
+                            spec.loader = importer._ImportHookChainedLoader(spec.loader)
+                        return spec
+                return None
+            finally:
+                del self.in_progress[fullname]
+
+    sys.meta_path[:] = [LockFreeImportHookFinder() if type(f) is base else f for f in sys.meta_path]
+
+
 def watch(module_name: str, callback: Callable[[ModuleType], None]) -> None:
     """Call ``callback(module)`` once ``module_name`` is imported (now, if it already is).
 
@@ -115,7 +159,10 @@ def watch(module_name: str, callback: Callable[[ModuleType], None]) -> None:
     """
     if module_name in _watched:
         return
-    _watched.add(module_name)
     import wrapt
 
+    first = not _watched
+    _watched.add(module_name)
     wrapt.register_post_import_hook(callback, module_name)
+    if first:  # wrapt installs its finder on the first registration
+        _install_lock_free_finder()

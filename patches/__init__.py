@@ -4,4 +4,13 @@ Installed as ``gradpatch.patches``. Adding a fork of a known-broken file costs a
 module of its codebase: its fingerprint and where it came from.
 """
 
-MODULES = ("audioldm",)
+MODULES = (
+    "audioldm",
+    "audioldm2",
+    "audioldm_train",
+    "ldm",
+    "comfy",
+    "sgm",
+    "guided_diffusion",
+    "improved_diffusion",
+)

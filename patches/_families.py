@@ -34,10 +34,10 @@ def checkpoint_family(upstream: str, module: str, known: Mapping[str, str], *,
     return patches
 
 
-def torch_checkpoint_default(upstream: str, module: str, provenance: str) -> Patch:
+def torch_checkpoint_default(name: str, upstream: str, module: str, provenance: str) -> Patch:
     """``module`` bound ``torch.utils.checkpoint.checkpoint`` and calls it without ``use_reentrant``:
     its calls become non-reentrant (torch's default elsewhere in the program is unchanged)."""
-    return Patch(f"{upstream}.reentrant:{module.rpartition('.')[2]}", f"{module}:checkpoint",
+    return Patch(name, f"{module}:checkpoint",
                  f"{_FIX}:replace_torch_checkpoint",
                  IsObject("torch.utils.checkpoint:checkpoint", provenance), upstream,
                  "torch checkpoint made non-reentrant: gradients reach parameters when no input requires grad")

@@ -197,3 +197,66 @@ print(gradpatch.report())
 def test_records_are_json_serialisable(fake_upstream):
     out = _run(fake_upstream, f"gradpatch.apply('fakeup')\nprint(json.dumps({REPORT}))")
     assert json.loads(json.dumps(out))[0]["target"] == "fakeup.util:checkpoint"
+
+
+def test_apply_revert_storm_from_eight_threads(fake_upstream):
+    """100 apply/revert cycles in each of 8 threads while other threads call the target."""
+    out = _run(fake_upstream, """
+import threading
+import fakeup.util, fakeup.user
+original = fakeup.util.checkpoint
+errors, seen = [], set()
+def storm():
+    try:
+        for _ in range(100):
+            gradpatch.apply("fakeup")
+            seen.add(fakeup.user.checkpoint(1))
+            gradpatch.revert("fakeup")
+    except Exception as exc:
+        errors.append(repr(exc))
+threads = [threading.Thread(target=storm) for _ in range(8)]
+[t.start() for t in threads]; [t.join() for t in threads]
+gradpatch.apply("fakeup")
+applied_value = fakeup.util.checkpoint(1)
+gradpatch.revert()
+print(json.dumps([errors, sorted(seen), applied_value, fakeup.util.checkpoint is original,
+                  fakeup.user.checkpoint is original, fakeup.checkpoint is original]))
+""")
+    errors, seen, applied_value, *identity = out
+    assert errors == [] and set(seen) <= {2, 102} and applied_value == 102
+    assert identity == [True, True, True]  # never double-wrapped, originals restored everywhere
+
+
+def test_target_imported_from_many_threads_at_once(fake_upstream):
+    out = _run(fake_upstream, """
+import threading, importlib
+gradpatch.apply()
+barrier = threading.Barrier(8)
+values = []
+def load(name):
+    barrier.wait()
+    values.append(importlib.import_module(name).checkpoint(1))
+# Every thread imports a submodule, so each first imports its package. (Importing a package in one
+# thread and, directly, a submodule its __init__ imports in another can raise _DeadlockError in
+# CPython itself, python/cpython#83065, with or without gradpatch.)
+threads = [threading.Thread(target=load, args=(n,)) for n in ["fakeup.user"] * 6 + ["fakeother.user"] * 2]
+[t.start() for t in threads]; [t.join() for t in threads]
+print(json.dumps([sorted(values), sorted((r.patch, r.status.value) for r in gradpatch.report())]))
+""")
+    values, statuses = out
+    assert values == [3, 3] + [102] * 6
+    assert ["fakeup.checkpoint", "applied"] in statuses and ["fakeother.checkpoint", "skipped"] in statuses
+
+
+def test_a_package_importing_a_target_from_a_thread_during_its_init(fake_upstream):
+    """wrapt's own finder deadlocks here (it imports the parent package under the global import lock
+    while the parent's __init__ waits for the thread); gradpatch's finder resolves specs directly."""
+    (fake_upstream / "fakeup" / "__init__.py").write_text(
+        "import threading, importlib\n"
+        "loader = threading.Thread(target=importlib.import_module, args=('fakeup.util',))\n"
+        "loader.start(); loader.join(timeout=20)\n"
+        "assert not loader.is_alive(), 'import deadlocked'\n"
+        "from fakeup.util import checkpoint\n")
+    result = run_python("import gradpatch, json\ngradpatch.apply('fakeup')\nimport fakeup\n"
+                        "print(json.dumps([fakeup.checkpoint(1)]))", pythonpath=[fake_upstream], timeout=60)
+    assert last_json(result) == [102]

@@ -1,0 +1,221 @@
+"""The grad-flow doctor: which parameters meant to train got no gradient, and why.
+
+The usual symptom of broken gradient flow is silence: a parameter with ``requires_grad=True`` ends a
+step with ``grad is None`` (or all zeros) and the optimiser quietly skips it. Or the step raises deep
+inside someone else's ``CheckpointFunction``. :func:`explain_grads` looks at a model after a backward
+(or at the error it raised) and names the modules involved and the likely cause: a known-broken
+checkpoint gradpatch has not patched, a reentrant torch checkpoint, a ``@torch.no_grad()`` sampler, or
+simply a parameter the loss never reached. :func:`grad_doctor` wraps one training step and prints the
+diagnosis; ``gradpatch doctor script.py`` runs a whole script that way.
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+import sys
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+import torch.utils.checkpoint
+
+from gradpatch import activation
+from gradpatch.fingerprint import Fingerprints
+
+_REMEDY = "run with GRADPATCH=1 (or call gradpatch.apply() before the model is built)"
+
+
+@dataclass(frozen=True)
+class Finding:
+    """A group of parameters under one module that share a cause."""
+
+    module: str
+    parameters: tuple[str, ...]
+    cause: str
+    remedy: str
+
+    def __str__(self) -> str:
+        names = ", ".join(self.parameters[:4]) + (f" and {len(self.parameters) - 4} more" if len(self.parameters) > 4 else "")
+        return f"- {self.module or '<root>'}: {names}\n    cause: {self.cause}\n    fix:   {self.remedy}"
+
+
+@dataclass
+class Diagnosis:
+    findings: list[Finding] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.findings)
+
+    def __str__(self) -> str:
+        if not self.findings:
+            return "gradpatch doctor: every parameter that requires grad got a gradient"
+        return "gradpatch doctor:\n" + "\n".join(map(str, self.findings))
+
+
+def _broken_checkpoint(module_class: type) -> str | None:
+    """Why the ``checkpoint`` this class's module calls is broken, if it is."""
+    forward = getattr(module_class, "forward", None)
+    if "checkpoint" not in getattr(getattr(forward, "__code__", None), "co_names", ()):
+        return None  # only blocks whose forward itself calls `checkpoint` are checkpointed
+    namespace = getattr(sys.modules.get(module_class.__module__), "__dict__", {})
+    bound = namespace.get("checkpoint")
+    if bound is None:
+        return None
+    if bound is torch.utils.checkpoint.checkpoint:
+        return (f"{module_class.__name__} calls torch.utils.checkpoint.checkpoint with the reentrant "
+                "default, which gives parameters no gradient when no input requires grad")
+    for patch in activation.known_patches().values():
+        if patch.qualname != "checkpoint" or getattr(bound, "__module__", None) != patch.module:
+            continue
+        target = sys.modules.get(patch.module)
+        if target is None or not isinstance(patch.recognise, Fingerprints):
+            continue
+        if patch.recognise.identify(target, "checkpoint", bound).verdict == "known":
+            return (f"{module_class.__name__} is checkpointed by {patch.module}.checkpoint, the unpatched "
+                    "OpenAI/CompVis CheckpointFunction, which cannot differentiate with respect to frozen "
+                    "parameters, replays no dropout RNG and drops second-order terms")
+    return None
+
+
+def _no_grad_sampler(model: torch.nn.Module) -> str | None:
+    for patch in activation.known_patches().values():
+        owner, _, method = patch.qualname.rpartition(".")
+        if method != "sample" or type(model).__name__ != owner or patch.name in activation._installed:
+            continue
+        sample = getattr(type(model), "sample", None)
+        if sample is not None and inspect.unwrap(sample) is not sample:
+            return (f"{type(model).__name__}.sample is decorated with @torch.no_grad(): nothing computed "
+                    "from its output can reach the model's parameters")
+    return None
+
+
+def _modules_in_traceback(error: BaseException) -> list[torch.nn.Module]:
+    """Modules whose checkpoint backward raised: upstream's ``CheckpointFunction.backward`` keeps the
+    block's bound ``_forward`` as ``ctx.run_function``, so the failing block can be named exactly."""
+    found: list[torch.nn.Module] = []
+    tb = error.__traceback__
+    while tb is not None:
+        ctx = tb.tb_frame.f_locals.get("ctx") if tb.tb_frame.f_code.co_name == "backward" else None
+        owner = getattr(getattr(ctx, "run_function", None), "__self__", None)
+        if isinstance(owner, torch.nn.Module) and owner not in found:
+            found.append(owner)
+        tb = tb.tb_next
+    return found
+
+
+def _missing(parameter: torch.Tensor) -> bool:
+    return parameter.requires_grad and (parameter.grad is None or not parameter.grad.any())
+
+
+def explain_grads(model: torch.nn.Module, error: BaseException | None = None) -> Diagnosis:
+    """Diagnose ``model`` after a backward, or after the ``error`` a backward raised.
+
+    With an error raised inside a known-broken checkpoint, the block that raised and its frozen
+    parameters are named. Without, every parameter that requires grad but has no gradient, or an
+    all-zero one, is reported, grouped by the outermost block whose broken checkpoint explains it, the
+    rest as not reached by the loss (or lost in a no-grad sampler).
+    """
+    diagnosis = Diagnosis()
+    paths = {module: path for path, module in model.named_modules()}
+    if error is not None:
+        for block in _modules_in_traceback(error):
+            if block in paths:
+                frozen = tuple(f"{paths[block]}.{n}".lstrip(".") for n, p in block.named_parameters() if not p.requires_grad)
+                cause = _broken_checkpoint(type(block)) or "its upstream CheckpointFunction raised in backward"
+                diagnosis.findings.append(Finding(f"{paths[block]} ({type(block).__name__})", frozen, cause, _REMEDY))
+        return diagnosis
+    explained: set[str] = set()
+    for path, module in model.named_modules():
+        cause = _broken_checkpoint(type(module))
+        if cause is None:
+            continue
+        names = tuple(f"{path}.{n}".lstrip(".") for n, p in module.named_parameters() if _missing(p))
+        names = tuple(n for n in names if n not in explained)
+        if names:
+            explained.update(names)
+            diagnosis.findings.append(Finding(f"{path} ({type(module).__name__})", names, cause, _REMEDY))
+    unreached = tuple(n for n, p in model.named_parameters() if _missing(p) and n not in explained)
+    if unreached:
+        sampler = _no_grad_sampler(model)
+        cause = sampler or ("the loss does not depend on them (a detach(), a no_grad region, an unused "
+                            "branch), or their gradient is exactly zero")
+        remedy = _REMEDY if sampler else "check the forward path from these parameters to the loss"
+        diagnosis.findings.append(Finding("", unreached, cause, remedy))
+    return diagnosis
+
+
+@contextlib.contextmanager
+def grad_doctor(*models: torch.nn.Module, file=None) -> Iterator[Diagnosis]:
+    """Wrap one training step (forward and backward); print the diagnosis of ``models`` after it.
+
+    If the step raises, the diagnosis is printed and attached to the exception as a note, and the
+    exception propagates. The yielded :class:`Diagnosis` is filled in when the block ends.
+    """
+    diagnosis = Diagnosis()
+    stream = file if file is not None else sys.stderr
+    try:
+        yield diagnosis
+    except RuntimeError as error:
+        for model in models:
+            diagnosis.findings += explain_grads(model, error).findings
+        if diagnosis:
+            print(diagnosis, file=stream)
+            if hasattr(error, "add_note"):  # Python 3.11+
+                error.add_note(str(diagnosis))
+        raise
+    for model in models:
+        diagnosis.findings += explain_grads(model).findings
+    if diagnosis:
+        print(diagnosis, file=stream)
+
+
+def run_script(path: str, argv: list[str]) -> None:
+    """Run a Python script, diagnosing every model it trains after each backward (``gradpatch doctor``).
+
+    The models are found as the outermost modules called before a backward; findings are printed once.
+    """
+    import runpy
+    import weakref
+
+    roots: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+    depth = [0]
+    seen: set[str] = set()
+
+    def before(module: torch.nn.Module, _args: object) -> None:
+        if depth[0] == 0:
+            roots.add(module)
+        depth[0] += 1
+
+    def after(_module: torch.nn.Module, _args: object, _output: object) -> None:
+        depth[0] = max(depth[0] - 1, 0)
+
+    def report(error: BaseException | None = None) -> str:
+        text = "\n".join(str(f) for model in list(roots) for f in explain_grads(model, error).findings
+                         if str(f) not in seen and not seen.add(str(f)))
+        if text:
+            print("gradpatch doctor:\n" + text, file=sys.stderr)
+        return text
+
+    original_backward = torch.autograd.backward
+
+    def backward(*args: object, **kwargs: object) -> None:
+        try:
+            original_backward(*args, **kwargs)
+        except RuntimeError as error:
+            text = report(error)
+            if text and hasattr(error, "add_note"):
+                error.add_note("gradpatch doctor:\n" + text)
+            raise
+        report()
+
+    handles = [torch.nn.modules.module.register_module_forward_pre_hook(before),
+               torch.nn.modules.module.register_module_forward_hook(after)]
+    # Tensor.backward calls torch.autograd.backward through the module attribute.
+    torch.autograd.backward = backward
+    sys.argv = [path, *argv]
+    try:
+        runpy.run_path(path, run_name="__main__")
+    finally:
+        torch.autograd.backward = original_backward
+        for handle in handles:
+            handle.remove()
