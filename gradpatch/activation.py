@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import functools
 import logging
 import sys
 import threading
@@ -78,14 +79,15 @@ def _record(patch: Patch, status: Status, reason: str = "", **fields: object) ->
     _records[patch.name] = Record(patch.name, patch.upstream, patch.target, status, reason, **fields)  # type: ignore[arg-type]
 
 
-def _installed_version(patch: Patch) -> tuple[str | None, str | None]:
+@functools.lru_cache(maxsize=None)
+def _installed_version(requires: str | None) -> tuple[str | None, str | None]:
     """``(version, problem)``: the installed distribution's version and why it is out of range."""
-    if not patch.requires:
+    if not requires:
         return None, None
     from importlib.metadata import PackageNotFoundError, version
     from packaging.requirements import Requirement
 
-    requirement = Requirement(patch.requires)
+    requirement = Requirement(requires)
     try:
         found = version(requirement.name)
     except PackageNotFoundError:
@@ -101,7 +103,7 @@ def _apply_now(patch: Patch, module: ModuleType, *, late: bool) -> None:
         return
     version = None
     try:
-        version, problem = _installed_version(patch)
+        version, problem = _installed_version(patch.requires)
         if problem:
             _record(patch, Status.SKIPPED, problem, version=version)
             return

@@ -110,9 +110,18 @@ def fingerprint_source(source: str, names: Sequence[str]) -> str:
     return digest.hexdigest()[:16]
 
 
+_by_module: dict[tuple[str, str | None, tuple[str, ...]], str] = {}
+
+
 def fingerprint_module(module: ModuleType, names: Sequence[str]) -> str:
-    """The fingerprint of ``names`` in an imported module (its source is read, not re-executed)."""
-    return fingerprint_source(inspect.getsource(module), names)
+    """The fingerprint of ``names`` in an imported module (its source is read, not re-executed).
+
+    Cached per module file: the patches of one codebase usually hash the same definitions.
+    """
+    key = (module.__name__, getattr(module, "__file__", None), tuple(names))
+    if key not in _by_module:
+        _by_module[key] = fingerprint_source(inspect.getsource(module), names)
+    return _by_module[key]
 
 
 @dataclass(frozen=True)

@@ -13,4 +13,5 @@ MODULES = (
     "sgm",
     "guided_diffusion",
     "improved_diffusion",
+    "diffusers",
 )

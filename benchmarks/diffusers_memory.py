@@ -1,0 +1,112 @@
+"""Saved activations and time of a differentiable diffusers pipeline call (gradpatch's ``cache=False``).
+
+A tiny random StableDiffusionPipeline (no downloads) runs forward + backward with ``cache=False`` in
+three ways: plain (every step builds a graph), ``checkpoint_steps=True`` (each UNet call recomputed in
+backward) and ``grad_steps=1`` (only the last step builds a graph). Saved bytes are the unique tensor
+storages autograd saves for backward, seen through ``torch.autograd.graph.saved_tensors_hooks``,
+parameters excluded (a checkpointed region's own saved tensors are held by the checkpoint and not
+counted: that is the memory it saves). Times are the best of ``--repeats`` runs, one thread.
+
+    HF_HUB_OFFLINE=1 python benchmarks/diffusers_memory.py [--quick] [--size 32] [--steps 8 32]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+import warnings
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+warnings.filterwarnings("ignore")
+
+import torch  # noqa: E402
+
+import gradpatch  # noqa: E402
+
+
+def build(seed: int = 0):
+    from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+    from peft import LoraConfig
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    torch.manual_seed(seed)
+    unet = UNet2DConditionModel(block_out_channels=(8, 16), layers_per_block=1, sample_size=8, in_channels=4,
+                                out_channels=4, down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+                                up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"), cross_attention_dim=16,
+                                norm_num_groups=4, attention_head_dim=4)
+    vae = AutoencoderKL(block_out_channels=(8, 16), in_channels=3, out_channels=3, latent_channels=4,
+                        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+                        norm_num_groups=4)
+    text = CLIPTextModel(CLIPTextConfig(bos_token_id=0, eos_token_id=2, pad_token_id=1, hidden_size=16,
+                                        intermediate_size=32, num_attention_heads=2, num_hidden_layers=1,
+                                        vocab_size=100, projection_dim=16))
+    unet.requires_grad_(False)
+    vae.requires_grad_(False)
+    unet.add_adapter(LoraConfig(r=2, lora_alpha=2, init_lora_weights=False,
+                                target_modules=["to_q", "to_k", "to_v", "to_out.0"]))
+    params = [p for n, p in unet.named_parameters() if "lora_" in n]
+    for p in params:
+        p.requires_grad_(True)
+    pipe = StableDiffusionPipeline(vae=vae, text_encoder=text, tokenizer=None, unet=unet,
+                                   scheduler=DDIMScheduler(clip_sample=False, steps_offset=1),
+                                   safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+    pipe.set_progress_bar_config(disable=True)
+    with torch.no_grad():
+        embeds = text(torch.randint(3, 100, (1, 6)))[0], text(torch.randint(3, 100, (1, 6)))[0]
+    return pipe, params, embeds
+
+
+def measure(pipe, params, embeds, steps: int, size: int, options: dict) -> tuple[int, float]:
+    """(saved bytes, seconds) of one forward + backward."""
+    excluded = {p.untyped_storage().data_ptr() for m in (pipe.unet, pipe.vae, pipe.text_encoder)
+                for p in m.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in excluded:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    start = time.perf_counter()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        images = pipe(prompt_embeds=embeds[0], negative_prompt_embeds=embeds[1], height=size, width=size,
+                      num_inference_steps=steps, guidance_scale=2.0, output_type="pt",
+                      generator=torch.Generator().manual_seed(0), cache=False, **options).images
+    (images - 1.0).pow(2).mean().backward()
+    elapsed = time.perf_counter() - start
+    for p in params:
+        p.grad = None
+    return sum(saved.values()), elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="steps 4 and 8, one repeat")
+    parser.add_argument("--steps", type=int, nargs="+", default=None, help="default: 8 32")
+    parser.add_argument("--size", type=int, default=32, help="image side in pixels (latents: half)")
+    parser.add_argument("--repeats", type=int, default=None, help="default: 3 (1 with --quick)")
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    steps_list = args.steps or ([4, 8] if args.quick else [8, 32])
+    repeats = args.repeats or (1 if args.quick else 3)
+    torch.set_num_threads(args.threads)
+    pipe, params, embeds = build()
+    modes = {"plain": {}, "checkpoint_steps": {"checkpoint_steps": True}, "grad_steps=1": {"grad_steps": 1}}
+    print(f"tiny StableDiffusionPipeline, {args.size}x{args.size} px, CFG 2.0, DDIM; forward + backward; "
+          f"best of {repeats}; {args.threads} thread(s); torch {torch.__version__}")
+    print(f"{'steps':>5}  {'mode':<17}{'saved MB':>10}{'x plain':>9}{'time s':>9}{'x plain':>9}")
+    with gradpatch.applied("diffusers"):
+        measure(pipe, params, embeds, 2, args.size, {})  # warm-up: first-use kernel setup
+        for steps in steps_list:
+            base = None
+            for mode, options in modes.items():
+                runs = [measure(pipe, params, embeds, steps, args.size, options) for _ in range(repeats)]
+                saved, seconds = runs[0][0], min(r[1] for r in runs)
+                base = base or (saved, seconds)
+                print(f"{steps:>5}  {mode:<17}{saved / 2**20:>10.2f}{saved / base[0]:>9.3f}"
+                      f"{seconds:>9.3f}{seconds / base[1]:>9.2f}")
+
+
+if __name__ == "__main__":
+    main()

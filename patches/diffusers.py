@@ -1,0 +1,83 @@
+"""diffusers (PyPI ``diffusers``): pipelines whose ``__call__`` is ``@torch.no_grad()``.
+
+291 of 295 pipeline classes in 0.42.1 decorate their own ``__call__`` with ``@torch.no_grad()``, so
+no output of ``pipe(...)`` ever has a gradient; AlignProp and trl copied ``__call__`` bodies by hand to
+get one. One patch covers the whole ``DiffusionPipeline`` class hierarchy, including pipeline classes
+defined after it is applied; see :mod:`gradpatch.fixes.diffusers` for the semantics.
+
+Target. The natural target, ``DiffusionPipeline.__init_subclass__``, is inherited from ``object`` and
+the engine can only replace attributes a class defines itself (``hooks.locate`` reads the owner's
+``__dict__``). The patch is therefore carried by ``DiffusionPipeline.register_modules``: the fix
+replaces it with a behaviour-identical copy (same code object), patches every pipeline class, installs
+``__init_subclass__``, and undoes all of it when the engine reverts the copy.
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from types import ModuleType
+
+from gradpatch.fingerprint import Identity, has_parameter
+from gradpatch.registry import Patch
+
+_REQUIRES = "diffusers>=0.25,<0.43"
+
+
+@dataclass(frozen=True)
+class PipelineHierarchy:
+    """Recognise ``module.<base>`` as a class hierarchy the fix can take over: a class that does not
+    define ``__init_subclass__`` itself (the fix installs one) and whose carrier method is a plain
+    function. Which subclasses have a ``@torch.no_grad()`` ``__call__`` is decided per class by the fix,
+    also for classes created later."""
+
+    base: str
+    label: str
+
+    def identify(self, module: ModuleType, qualname: str, original: object) -> Identity:
+        base = getattr(module, self.base, None)
+        if not isinstance(base, type):
+            return Identity("unknown", f"no class {self.base}")
+        if "__init_subclass__" in vars(base):
+            return Identity("unknown", f"{self.base} defines __init_subclass__")
+        if not inspect.isfunction(original):
+            return Identity("unknown", f"{qualname} is not a plain function")
+        return Identity("known", self.label)
+
+
+@dataclass(frozen=True)
+class LacksParameter:
+    """Recognise a plain function that does not take ``name`` yet (if it does, upstream fixed it)."""
+
+    name: str
+    label: str
+
+    def identify(self, module: ModuleType, qualname: str, original: object) -> Identity:
+        if not inspect.isfunction(original):
+            return Identity("unknown", f"{qualname} is not a plain function")
+        if has_parameter(self.name)(original):
+            return Identity("fixed", f"{qualname} already takes {self.name!r}")
+        return Identity("known", self.label)
+
+
+PATCHES = [
+    Patch(
+        "diffusers.pipelines",
+        "diffusers.pipelines.pipeline_utils:DiffusionPipeline.register_modules",
+        "gradpatch.fixes.diffusers:patch_pipeline_hierarchy",
+        PipelineHierarchy("DiffusionPipeline", "DiffusionPipeline hierarchy · @torch.no_grad() __call__"),
+        "diffusers",
+        "pipeline __call__ takes cache=False (gradients), grad_steps, checkpoint_steps",
+        requires=_REQUIRES,
+    ),
+    # Modular pipelines are not DiffusionPipelines and run their blocks under in-body no_grad: nothing
+    # to unwrap. Their ``__call__(**kwargs)`` would ignore cache=False with a warning; make it an error.
+    Patch(
+        "diffusers.modular_pipelines",
+        "diffusers.modular_pipelines.modular_pipeline:ModularPipeline.__call__",
+        "gradpatch.fixes.diffusers:guard_modular_call",
+        LacksParameter("cache", "ModularPipeline.__call__ · in-body torch.no_grad()"),
+        "diffusers",
+        "ModularPipeline(cache=False) raises a clear error instead of ignoring it",
+        requires=_REQUIRES,
+    ),
+]
