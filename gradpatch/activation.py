@@ -18,7 +18,7 @@ from typing import Iterable, Iterator
 
 from gradpatch import environment, settings
 from gradpatch.errors import ConfigWarning, PatchFailedWarning, UnknownCodeWarning, complain, logger
-from gradpatch.hooks import Installed, install, locate, resolve, uninstall, watch
+from gradpatch.hooks import MISSING, Installed, install, locate, resolve, uninstall, watch
 from gradpatch.registry import Patch, Record, Report, Status
 
 _lock = threading.RLock()
@@ -107,7 +107,9 @@ def _apply_now(patch: Patch, module: ModuleType, *, late: bool) -> None:
         if problem:
             _record(patch, Status.SKIPPED, problem, version=version)
             return
-        _, _, original = locate(module, patch.qualname)
+        owner, attr, original = locate(module, patch.qualname)
+        if original is MISSING:  # an inherited class attribute: recognise what the class sees
+            original = getattr(owner, attr)
         ours = next((i.name for i in _installed.values() if i.replacement is original), None)
         if ours is not None:  # e.g. sgm's attention rebound a checkpoint gradpatch already fixed
             _record(patch, Status.SKIPPED, f"already gradpatch's fix (from {ours})", version=version)

@@ -143,7 +143,10 @@ class Fingerprints:
     def identify(self, module: ModuleType, qualname: str, original: object) -> Identity:
         if self.fixed_if is not None and self.fixed_if(original):
             return Identity("fixed", "the upstream code already has the fix")
-        digest = fingerprint_module(module, self.over or (qualname,))
+        try:
+            digest = fingerprint_module(module, self.over or (qualname,))
+        except LookupError as missing:  # the definition moved or was removed upstream
+            return Identity("unknown", str(missing))
         if digest in self.known:
             return Identity("known", self.known[digest])
         if digest in self.fixed:

@@ -27,20 +27,33 @@ def resolve(dotted: str) -> object:
     return obj
 
 
+class _Missing:
+    def __repr__(self) -> str:
+        return "MISSING"
+
+
+#: The "original" of a class attribute the class does not define itself (it inherits it, e.g.
+#: ``__init_subclass__`` from ``object``): installing defines it, reverting deletes it again.
+MISSING = _Missing()
+
+
 def locate(module: ModuleType, qualname: str) -> tuple[object, str, object]:
     """``(owner, attribute, original)`` for ``qualname`` in ``module``.
 
     The original is read from the owner's ``__dict__`` so descriptors (staticmethod, classmethod) are
-    kept as the exact objects that revert must put back.
+    kept as the exact objects that revert must put back; for a class that does not define the
+    attribute itself it is :data:`MISSING`.
     """
     *path, attr = qualname.split(".")
     owner: object = module
     for part in path:
         owner = getattr(owner, part)
     namespace = vars(owner)
-    if attr not in namespace:
-        raise LookupError(f"{module.__name__} has no attribute {qualname!r}")
-    return owner, attr, namespace[attr]
+    if attr in namespace:
+        return owner, attr, namespace[attr]
+    if isinstance(owner, type):
+        return owner, attr, MISSING
+    raise LookupError(f"{module.__name__} has no attribute {qualname!r}")
 
 
 @dataclass
@@ -78,7 +91,7 @@ def rebind(original: object, replacement: object, skip: ModuleType) -> list[tupl
 def install(name: str, module: ModuleType, qualname: str, factory: Callable[[object], object],
             *, late: bool, in_use: Iterable[object] = ()) -> Installed:
     owner, attr, original = locate(module, qualname)
-    replacement = factory(original)
+    replacement = factory(getattr(owner, attr) if original is MISSING else original)
     if replacement is original or any(replacement is other for other in in_use):
         # Revert finds stale names by identity, so every target needs an object of its own.
         raise TypeError(f"the fix for {name!r} returned the original or another target's object; "
@@ -95,7 +108,10 @@ def uninstall(installed: Installed) -> None:
     current = vars(installed.owner).get(installed.attr)
     where = f"{getattr(installed.owner, '__name__', installed.owner)}.{installed.attr}"
     if current is installed.replacement:
-        setattr(installed.owner, installed.attr, installed.original)
+        if installed.original is MISSING:
+            delattr(installed.owner, installed.attr)
+        else:
+            setattr(installed.owner, installed.attr, installed.original)
     else:
         complain(RevertWarning, f"gradpatch: not reverting {installed.name!r}: {where} was replaced by "
                  f"{current!r} after gradpatch patched it; leaving that in place")

@@ -5,11 +5,9 @@ no output of ``pipe(...)`` ever has a gradient; AlignProp and trl copied ``__cal
 get one. One patch covers the whole ``DiffusionPipeline`` class hierarchy, including pipeline classes
 defined after it is applied; see :mod:`gradpatch.fixes.diffusers` for the semantics.
 
-Target. The natural target, ``DiffusionPipeline.__init_subclass__``, is inherited from ``object`` and
-the engine can only replace attributes a class defines itself (``hooks.locate`` reads the owner's
-``__dict__``). The patch is therefore carried by ``DiffusionPipeline.register_modules``: the fix
-replaces it with a behaviour-identical copy (same code object), patches every pipeline class, installs
-``__init_subclass__``, and undoes all of it when the engine reverts the copy.
+The patch targets ``DiffusionPipeline.__init_subclass__``, which the base class inherits from
+``object``: the fix patches every pipeline class defined so far and installs an ``__init_subclass__``
+that patches each one defined later; revert removes it and restores every class it touched.
 """
 from __future__ import annotations
 
@@ -26,9 +24,8 @@ _REQUIRES = "diffusers>=0.25,<0.43"
 @dataclass(frozen=True)
 class PipelineHierarchy:
     """Recognise ``module.<base>`` as a class hierarchy the fix can take over: a class that does not
-    define ``__init_subclass__`` itself (the fix installs one) and whose carrier method is a plain
-    function. Which subclasses have a ``@torch.no_grad()`` ``__call__`` is decided per class by the fix,
-    also for classes created later."""
+    define ``__init_subclass__`` itself (the fix installs one). Which subclasses have a
+    ``@torch.no_grad()`` ``__call__`` is decided per class by the fix, also for classes created later."""
 
     base: str
     label: str
@@ -39,8 +36,6 @@ class PipelineHierarchy:
             return Identity("unknown", f"no class {self.base}")
         if "__init_subclass__" in vars(base):
             return Identity("unknown", f"{self.base} defines __init_subclass__")
-        if not inspect.isfunction(original):
-            return Identity("unknown", f"{qualname} is not a plain function")
         return Identity("known", self.label)
 
 
@@ -62,7 +57,7 @@ class LacksParameter:
 PATCHES = [
     Patch(
         "diffusers.pipelines",
-        "diffusers.pipelines.pipeline_utils:DiffusionPipeline.register_modules",
+        "diffusers.pipelines.pipeline_utils:DiffusionPipeline.__init_subclass__",
         "gradpatch.fixes.diffusers:patch_pipeline_hierarchy",
         PipelineHierarchy("DiffusionPipeline", "DiffusionPipeline hierarchy · @torch.no_grad() __call__"),
         "diffusers",

@@ -340,15 +340,10 @@ class _Hierarchy:
                     seen.add(cls)
                     self.patch_class(cls)
                     pending.append(cls)
-        self.base.__init_subclass__ = self.hook  # type: ignore[assignment,method-assign]
 
     def revert(self) -> None:
+        """Called by the engine after it removed ``__init_subclass__`` from the base class."""
         self.active = False
-        if vars(self.base).get("__init_subclass__") is self.hook:
-            delattr(self.base, "__init_subclass__")
-        elif "__init_subclass__" in vars(self.base):
-            complain(RevertWarning, f"gradpatch: {self.base.__name__}.__init_subclass__ was replaced after "
-                     "gradpatch set it; leaving it (it no longer patches new classes)")
         for cls, name, original, replacement in reversed(self.touched):
             if vars(cls).get(name) is replacement:
                 setattr(cls, name, original)
@@ -357,23 +352,19 @@ class _Hierarchy:
         self.touched.clear()
 
 
-def patch_pipeline_hierarchy(original: Callable[..., Any]) -> Callable[..., Any]:
-    """The fix factory, given ``DiffusionPipeline.register_modules`` (why: ``patches/diffusers.py``).
-    Returns a new, behaviour-identical copy of it (same code, globals, closure, defaults) carrying the
-    installation: the engine calls its ``__gradpatch_revert__`` after putting the original back."""
-    base = getattr(sys.modules[original.__module__], original.__qualname__.partition(".")[0])
-    state = _Hierarchy(base)
+def patch_pipeline_hierarchy(inherited: Any) -> classmethod:
+    """The fix factory for ``DiffusionPipeline.__init_subclass__``, which the base class inherits (the
+    engine passes the inherited method, bound to the base). Patches every pipeline class defined so
+    far and returns the ``__init_subclass__`` that patches each one defined later; the engine calls its
+    ``__gradpatch_revert__`` when it removes it again."""
+    state = _Hierarchy(inherited.__self__)
     try:
         state.install()
     except BaseException:
         state.revert()  # the engine records the failure; leave nothing half-patched
         raise
-    carrier = types.FunctionType(original.__code__, original.__globals__, original.__name__,
-                                 original.__defaults__, original.__closure__)
-    functools.update_wrapper(carrier, original)
-    carrier.__kwdefaults__ = original.__kwdefaults__
-    carrier.__gradpatch_revert__ = state.revert  # type: ignore[attr-defined]
-    return carrier
+    state.hook.__gradpatch_revert__ = state.revert  # type: ignore[attr-defined]
+    return state.hook
 
 
 def guard_modular_call(original: Callable[..., Any]) -> Callable[..., Any]:
