@@ -71,15 +71,19 @@ class Installed:
         return tuple(f"{module.__name__}.{name}" for module, name in self.rebound)
 
 
-def rebind(original: object, replacement: object, skip: ModuleType) -> list[tuple[ModuleType, str]]:
+def rebind(original: object, replacement: object, skip: ModuleType,
+           within: str | None = None) -> list[tuple[ModuleType, str]]:
     """Point every module global that is ``original`` at ``replacement``; return where.
 
-    gradpatch's own modules are skipped: the fixes hold the objects they are built from.
+    ``within`` limits the scan to one top-level package. gradpatch's own modules are skipped: the
+    fixes hold the objects they are built from.
     """
     found = []
     for name, module in list(sys.modules.items()):
         namespace = getattr(module, "__dict__", None)
         if module is skip or not isinstance(namespace, dict) or name.partition(".")[0] == "gradpatch":
+            continue
+        if within is not None and name != within and not name.startswith(within + "."):
             continue
         for name, value in list(namespace.items()):
             if value is original:
@@ -99,7 +103,12 @@ def install(name: str, module: ModuleType, qualname: str, factory: Callable[[obj
     setattr(owner, attr, replacement)
     installed = Installed(name, owner, attr, original, replacement)
     if late and owner is module:
-        installed.rebound = rebind(original, replacement, skip=module)
+        # An object the module defines may have been imported anywhere (a user's script too); one it
+        # merely imported (torch's checkpoint bound into sgm) belongs to others: only the target's
+        # own package is rebound then, and torch keeps its function everywhere else.
+        defined_here = getattr(original, "__module__", None) == module.__name__
+        installed.rebound = rebind(original, replacement, skip=module,
+                                   within=None if defined_here else module.__name__.partition(".")[0])
     return installed
 
 

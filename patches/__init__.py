@@ -14,4 +14,6 @@ MODULES = (
     "guided_diffusion",
     "improved_diffusion",
     "diffusers",
+    "f5_tts",
+    "e2_tts",
 )

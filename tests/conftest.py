@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 
@@ -86,3 +88,50 @@ def fake_upstream(tmp_path: Path) -> Path:
         (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
         (info / "entry_points.txt").write_text(entry_points)
     return tmp_path
+
+
+# --- released upstream versions from PyPI, installed --no-deps into a cache shared across runs ------
+
+CACHE = Path(os.environ.get("GRADPATCH_TEST_CACHE", Path.home() / ".cache" / "gradpatch-tests"))
+_PIP = [sys.executable, "-m", "pip", "--disable-pip-version-check", "--quiet"]
+
+
+def _pip_into(folder: Path, commands: list[list[str]], timeout: float) -> Path | str:
+    """Run pip commands into a fresh staging folder, then move it to ``folder``; or say why not."""
+    if (folder / ".complete").exists():
+        return folder
+    CACHE.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=CACHE))
+    for args in commands:
+        try:
+            done = subprocess.run(_PIP + [a.replace("{dest}", str(staging)) for a in args],
+                                  capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            done = None
+        if done is None or done.returncode != 0:
+            shutil.rmtree(staging, ignore_errors=True)
+            why = "timed out" if done is None else (done.stderr.strip().splitlines() or ["?"])[-1]
+            return f"cannot get {' '.join(a for a in args if '==' in a)} from the package index: {why}"
+    (staging / ".complete").touch()
+    try:
+        staging.rename(folder)
+    except OSError:  # another process finished first
+        shutil.rmtree(staging, ignore_errors=True)
+    return folder
+
+
+def pypi_release(requirement: str, *extra: str) -> Path | str:
+    """``requirement`` (and ``extra`` packages) installed ``--no-deps`` into a cached folder for
+    ``PYTHONPATH``; or why that failed (tests skip with it)."""
+    return _pip_into(CACHE / requirement.replace("==", "-"),
+                     [["install", "--no-deps", "--timeout", "20", "--retries", "1", "--target", "{dest}",
+                       requirement, *extra]], timeout=300)
+
+
+def pypi_wheels(name: str, versions: list[str]) -> list[Path] | str:
+    """The wheels of ``name`` at ``versions`` (no dependencies), downloaded once into the cache."""
+    download = ["download", "--no-deps", "--only-binary", ":all:", "--timeout", "20", "--retries", "1",
+                "--dest", "{dest}"]
+    folder = _pip_into(CACHE / f"{name}-wheels-{len(versions)}",
+                       [download + [f"{name}=={v}"] for v in versions], timeout=120)
+    return folder if isinstance(folder, str) else sorted(folder.glob("*.whl"))

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 
-from conftest import last_json, run_python
+from conftest import FAKE_UTIL, last_json, run_python
 
 REPORT = "[r.as_dict() for r in gradpatch.report()]"
 
@@ -260,3 +260,25 @@ def test_a_package_importing_a_target_from_a_thread_during_its_init(fake_upstrea
     result = run_python("import gradpatch, json\ngradpatch.apply('fakeup')\nimport fakeup\n"
                         "print(json.dumps([fakeup.checkpoint(1)]))", pythonpath=[fake_upstream], timeout=60)
     assert last_json(result) == [102]
+
+
+def test_late_apply_of_an_imported_name_rebinds_only_inside_its_package(fake_upstream):
+    """A patch of a name the target imported (like torch's checkpoint bound into sgm) must not
+    rebind the name in its defining module or in unrelated packages."""
+    (fake_upstream / "fakeshared.py").write_text(FAKE_UTIL)
+    (fake_upstream / "fakeup" / "util.py").write_text("from fakeshared import checkpoint\n")
+    (fake_upstream / "fakeup" / "user.py").write_text("from fakeshared import checkpoint\n")
+    (fake_upstream / "bystander.py").write_text("from fakeshared import checkpoint\n")
+    out = _run(fake_upstream, f"""
+from gradpatch.fingerprint import IsObject
+from gradpatch.registry import Patch
+from gradpatch import activation
+activation.known_patches()["fakeup.imported"] = Patch(
+    "fakeup.imported", "fakeup.util:checkpoint", "fakeplugin:fix", IsObject("fakeshared:checkpoint", "shared"),
+    "fakeup", "adds 100")
+import fakeshared, bystander, fakeup.util, fakeup.user
+gradpatch.apply("fakeup.imported")
+print(json.dumps([fakeup.util.checkpoint(1), fakeup.user.checkpoint(1), fakeshared.checkpoint(1),
+                  bystander.checkpoint(1), {REPORT}[0]["rebound"]]))
+""")
+    assert out == [102, 102, 2, 2, ["fakeup.checkpoint", "fakeup.user.checkpoint"]]

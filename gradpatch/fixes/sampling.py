@@ -2,37 +2,44 @@
 
 A patched sampler takes ``cache: bool = True``. ``cache=True`` calls the original, unchanged: no graph,
 ``self.eval()``, caches reused, the same outputs bit for bit. ``cache=False`` runs the undecorated body
-inside :func:`differentiable`: gradients enabled, the model's ``eval()`` made a no-op so train/eval
-modes stay as the caller set them (dropout stays on for a student in train mode), and the memory
-options below visible to :func:`run_step`, which the fixes call around each denoiser evaluation.
-Everything is restored on exit, also when sampling raises. ``cache=False`` inside
-:func:`torch.inference_mode` raises: no graph can be recorded there.
+inside :func:`differentiable`: gradients enabled (also under an outer ``no_grad``), the model's
+``eval()`` a no-op so train/eval modes stay as the caller set them (dropout stays on for a student in
+train mode), and the memory options below visible to :func:`run_step`, which the fixes call around
+each denoiser evaluation. Caches that reuse one step's tensors in later steps are bypassed
+(:func:`text_cache_off`). Everything is restored on exit, also when sampling raises. ``cache=False``
+inside :func:`torch.inference_mode` raises: no graph can be recorded there. The attribute shadows act
+only in the context (thread, task) of the ``cache=False`` call, so concurrent ``cache=True`` calls on
+the same model are unaffected.
 
 Memory. Backpropagating through N steps keeps N copies of the denoiser's activations. Two keyword-only
 options bound that (used with ``cache=False``):
 
-* ``grad_steps=K``: only the last K steps build a graph; the denoiser evaluations of the first N-K steps
-  run under ``no_grad`` (truncated backpropagation, as in DRaFT-K and AlignProp). For one-step solvers
-  (Euler, midpoint, RK4) gradients then equal those of a run that detaches the state before step N-K.
-  ``K >= N`` is the plain run.
+* ``grad_steps=K``: only the last K steps build a graph: the denoiser evaluations of the first N-K
+  solver steps run under ``no_grad`` (truncated backpropagation, as in DRaFT-K and AlignProp). For
+  single-step methods (Euler, midpoint, RK4) gradients equal those of a run that detaches the state
+  before step N-K; inputs used outside the denoiser (F5 pastes ``cond`` into the output) still get
+  theirs. ``K >= N`` is the plain run.
 * ``checkpoint_steps=True``: each denoiser evaluation is recomputed during backward instead of stored
   (non-reentrant :func:`torch.utils.checkpoint.checkpoint`, which replays the RNG, so dropout agrees),
   so saved memory grows by about one latent per step instead of one set of activations, at the cost of
-  a second forward per evaluation. Gradients equal the plain run's. Never wrap a scheduler's ``step``
-  this way: schedulers keep state that a recompute would advance twice.
+  a second forward per evaluation. Gradients equal the plain run's. The recompute happens after the
+  call returned; it re-enters the call's shadows (:meth:`SamplingRun.active`), so it too sees caches
+  off. Never wrap a scheduler's ``step`` this way: schedulers keep state a recompute would advance twice.
 
-ODE samplers (F5-TTS, E2-TTS) call ``torchdiffeq.odeint(fn, y0, t, ...)`` through a module global.
-:func:`stepped_odeint` replaces that global: while a ``cache=False`` call with either option is active
-in the calling context it hands torchdiffeq a right-hand side that learns the solver step from
-torchdiffeq's ``callback_step`` (called once before each step; unambiguous for midpoint and RK4, whose
-later evaluations fall inside or at the end of the interval) and runs every evaluation through
-:func:`run_step`; otherwise it calls the original straight through.
+ODE samplers (F5-TTS, E2-TTS) call ``torchdiffeq.odeint(fn, y0, t, ...)`` through a module global. For
+a ``cache=False`` call with either option, :func:`differentiable_sampler` shadows that global with
+:func:`stepped_odeint` for the duration of the call (shared and reference counted like the other
+shadows, and acting only in the caller's context). It hands torchdiffeq a right-hand side that learns
+the solver step from torchdiffeq's ``callback_step`` (called once before each step, so midpoint and RK4
+evaluations, which fall inside or at the end of the interval, are attributed without guessing from
+``t``) and runs every evaluation through :func:`run_step`. Nothing is shadowed for plain calls.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
 import inspect
+import sys
 import threading
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -109,7 +116,7 @@ def active_options() -> SamplingOptions | None:
 # counted) and acts only in contexts where a cache=False call is active: another thread sampling the
 # same model with cache=True at the same time still gets the real eval(), cache and clear_cache().
 _lock = threading.Lock()
-_shadows: dict[tuple[int, str], list[Any]] = {}  # key -> [users, had_own_attribute, own_value]
+_shadows: dict[tuple[int, str], list[Any]] = {}  # key -> [users, had_own, own_value, installed]
 
 
 @contextlib.contextmanager
@@ -118,9 +125,9 @@ def _shadow(obj: object, name: str, make: Callable[[Any], Any]) -> Iterator[None
     with _lock:
         entry = _shadows.get(key)
         if entry is None:
-            own = vars(obj)
-            entry = _shadows[key] = [0, name in own, own.get(name)]
-            object.__setattr__(obj, name, make(getattr(obj, name)))
+            own, installed = vars(obj), make(getattr(obj, name))
+            entry = _shadows[key] = [0, name in own, own.get(name), installed]
+            object.__setattr__(obj, name, installed)
         entry[0] += 1
     try:
         yield
@@ -129,10 +136,8 @@ def _shadow(obj: object, name: str, make: Callable[[Any], Any]) -> Iterator[None
             entry[0] -= 1
             if entry[0] == 0:
                 del _shadows[key]
-                if entry[1]:
-                    object.__setattr__(obj, name, entry[2])
-                else:
-                    object.__delattr__(obj, name)
+                if vars(obj).get(name) is entry[3]:  # else someone replaced it meanwhile: theirs stays
+                    object.__setattr__(obj, name, entry[2]) if entry[1] else object.__delattr__(obj, name)
 
 
 def _keep_mode(model: Any, real_eval: Callable[[], Any]) -> Callable[[], Any]:
@@ -143,7 +148,6 @@ def _keep_mode(model: Any, real_eval: Callable[[], Any]) -> Callable[[], Any]:
 
 
 def _no_cache(forward: Callable[..., T]) -> Callable[..., T]:
-    @functools.wraps(forward)
     def call(*args: Any, **kwargs: Any) -> T:
         if "cache" in kwargs and _current.get() is not None:
             kwargs["cache"] = False
@@ -153,11 +157,7 @@ def _no_cache(forward: Callable[..., T]) -> Callable[..., T]:
 
 
 def _no_clear(clear: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(clear)
-    def call(*args: Any, **kwargs: Any) -> Any:
-        return None if _current.get() is not None else clear(*args, **kwargs)
-
-    return call
+    return lambda *args, **kwargs: None if _current.get() is not None else clear(*args, **kwargs)
 
 
 @contextlib.contextmanager
@@ -237,9 +237,7 @@ class _Stepped:
 
     def callback_step(self, t0: torch.Tensor, y0: Any, dt: torch.Tensor) -> None:
         self.step += 1
-        own = getattr(self.func, "callback_step", None)
-        if own is not None:
-            own(t0, y0, dt)
+        getattr(self.func, "callback_step", lambda *args: None)(t0, y0, dt)  # the user's own, if any
 
     def __getattr__(self, name: str) -> Any:  # the user's other callbacks, if any
         return getattr(self.__dict__["func"], name)
@@ -258,7 +256,9 @@ def _total_steps(t: torch.Tensor, kwargs: dict[str, Any], options: SamplingOptio
 
 
 def stepped_odeint(original: Callable[..., T]) -> Callable[..., T]:
-    """Fix factory for a module global ``odeint`` (torchdiffeq): see the module docstring."""
+    """``odeint`` (torchdiffeq's signature) that numbers solver steps for :func:`run_step` while a
+    ``cache=False`` call with ``grad_steps`` or ``checkpoint_steps`` is active in this context, and
+    calls ``original`` straight through otherwise."""
 
     @functools.wraps(original)
     def odeint(func: Callable[..., Any], y0: Any, t: torch.Tensor, *args: Any, **kwargs: Any) -> T:
@@ -272,26 +272,27 @@ def stepped_odeint(original: Callable[..., T]) -> Callable[..., T]:
 
 def _with_keywords(signature: inspect.Signature) -> inspect.Signature:
     params = list(signature.parameters.values())
-    extra = [inspect.Parameter("cache", inspect.Parameter.KEYWORD_ONLY, default=True, annotation="bool"),
-             inspect.Parameter("grad_steps", inspect.Parameter.KEYWORD_ONLY, default=None,
-                               annotation="int | None"),
-             inspect.Parameter("checkpoint_steps", inspect.Parameter.KEYWORD_ONLY, default=False,
-                               annotation="bool")]
+    extra = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)
+             for name, default, annotation in (("cache", True, "bool"), ("grad_steps", None, "int | None"),
+                                               ("checkpoint_steps", False, "bool"))]
     at = next((i for i, p in enumerate(params) if p.kind is inspect.Parameter.VAR_KEYWORD), len(params))
     return signature.replace(parameters=params[:at] + extra + params[at:])
 
 
-def differentiable_sampler(original: Callable[..., T], *, denoiser: str = "transformer") -> Callable[..., T]:
+def differentiable_sampler(original: Callable[..., T], *, denoiser: str = "transformer",
+                           solver: str = "odeint") -> Callable[..., T]:
     """Fix factory for a ``@torch.no_grad()`` sampler method ``sample(self, ...)`` that calls
-    ``self.eval()`` and evaluates ``self.<denoiser>`` (F5-TTS ``CFM.sample``, E2-TTS ``E2TTS.sample``).
+    ``self.eval()``, evaluates ``self.<denoiser>`` and integrates with its module's global ``<solver>``
+    (torchdiffeq's ``odeint``): F5-TTS ``CFM.sample``, E2-TTS ``E2TTS.sample``.
 
     The replacement takes ``cache=True`` (the original, called as it is) or ``cache=False`` (the
-    undecorated body under :func:`differentiable` and :func:`text_cache_off`), plus ``grad_steps`` and
-    ``checkpoint_steps``, which act through :func:`run_step` (for ODE samplers, via
-    :func:`stepped_odeint`); if they were asked for and no evaluation went through :func:`run_step`,
-    it raises rather than return a graph that silently ignored them. A new object per call.
+    undecorated body under :func:`differentiable` and :func:`text_cache_off`; with ``grad_steps`` or
+    ``checkpoint_steps`` the solver global shadowed by :func:`stepped_odeint`). If those options were
+    asked for and no evaluation went through :func:`run_step` (a body that no longer calls the solver
+    global), it raises rather than return a graph that silently ignored them. A new object per call.
     """
     raw = inspect.unwrap(original)
+    module = sys.modules.get(getattr(raw, "__module__", ""), None)
 
     @functools.wraps(original)
     def sample(self: Any, *args: Any, cache: bool = True, grad_steps: int | None = None,
@@ -299,12 +300,16 @@ def differentiable_sampler(original: Callable[..., T], *, denoiser: str = "trans
         options = sampling_options(cache, grad_steps, checkpoint_steps)
         if cache:
             return original(self, *args, **kwargs)
-        with differentiable(self, options) as run, text_cache_off(getattr(self, denoiser, None)):
+        with contextlib.ExitStack() as stack:
+            run = stack.enter_context(differentiable(self, options))
+            stack.enter_context(text_cache_off(getattr(self, denoiser, None)))
+            if (grad_steps is not None or checkpoint_steps) and callable(getattr(module, solver, None)):
+                stack.enter_context(_shadow(module, solver, stepped_odeint))
             out = raw(self, *args, **kwargs)
         if (grad_steps is not None or checkpoint_steps) and run.evaluations == 0:
             raise RuntimeError(f"{type(self).__name__}.sample: grad_steps/checkpoint_steps had no effect: no "
-                               "denoiser evaluation went through gradpatch's run_step (is the solver patch "
-                               "applied? see gradpatch.report())")
+                               f"denoiser evaluation went through gradpatch's run_step (the body did not "
+                               f"call {raw.__module__}.{solver})")
         return out
 
     sample.__signature__ = _with_keywords(inspect.signature(original))  # type: ignore[attr-defined]
