@@ -48,3 +48,50 @@ def audioldm_batch(batch: int = 2, seed: int = 0, size: int = 16) -> dict[str, t
         "y": torch.randn(batch, 16, generator=generator),
         "target": torch.randn(batch, 4, size, size, generator=generator),
     }
+
+
+def f5_cfm(backbone: str = "DiT", seed: int = 0, **extra: object) -> torch.nn.Module:
+    """F5-TTS's ``CFM`` around a tiny ``DiT``, ``UNetT`` or ``MMDiT`` (16 mel bins, 32 text tokens)."""
+    from f5_tts.model import CFM, DiT, MMDiT, UNetT
+
+    cls = {"DiT": DiT, "UNetT": UNetT, "MMDiT": MMDiT}[backbone]
+    torch.manual_seed(seed)
+    kw: dict[str, object] = dict(dim=32, depth=2, heads=2, dim_head=16, ff_mult=2, mel_dim=16, text_num_embeds=32)
+    if cls is not MMDiT:
+        kw["text_dim"] = 16
+    net = reinit_zero_weights(cls(**kw, **extra), std=0.05, seed=seed)
+    return CFM(transformer=net, mel_spec_kwargs=dict(n_mel_channels=16))
+
+
+def f5_inputs(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """A conditioning mel (1 x 8 frames x 16 bins) and text tokens for :func:`f5_cfm`."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(1, 8, 16, generator=generator), torch.randint(0, 32, (1, 6), generator=generator)
+
+
+def stable_diffusion_pipeline(seed: int = 0) -> tuple[object, tuple[torch.Tensor, torch.Tensor]]:
+    """A tiny diffusers ``StableDiffusionPipeline`` (8x8 latents, no tokenizer, no safety checker) and
+    a pair of (prompt, negative prompt) embeddings to pass as ``prompt_embeds``."""
+    from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    torch.manual_seed(seed)
+    unet = UNet2DConditionModel(block_out_channels=(8, 16), layers_per_block=1, sample_size=8, in_channels=4,
+                                out_channels=4, down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+                                up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"), cross_attention_dim=16,
+                                norm_num_groups=4, attention_head_dim=4)
+    vae = AutoencoderKL(block_out_channels=(8, 16), in_channels=3, out_channels=3, latent_channels=4,
+                        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+                        norm_num_groups=4, sample_size=16)
+    text = CLIPTextModel(CLIPTextConfig(bos_token_id=0, eos_token_id=2, pad_token_id=1, hidden_size=16,
+                                        intermediate_size=32, num_attention_heads=2, num_hidden_layers=1,
+                                        vocab_size=100, projection_dim=16))
+    for model in (unet, vae, text):
+        reinit_zero_weights(model, std=0.05, seed=seed)
+    pipe = StableDiffusionPipeline(vae=vae, text_encoder=text, tokenizer=None, unet=unet,
+                                   scheduler=DDIMScheduler(clip_sample=False, set_alpha_to_one=False, steps_offset=1),
+                                   safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+    pipe.set_progress_bar_config(disable=True)
+    with torch.no_grad():
+        embeds = text(torch.randint(3, 100, (1, 6)))[0], text(torch.randint(3, 100, (1, 6)))[0]
+    return pipe, embeds

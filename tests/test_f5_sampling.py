@@ -39,6 +39,7 @@ pytest.importorskip("f5_tts")
 
 import gradpatch  # noqa: E402
 from conftest import pypi_release, pypi_wheels  # noqa: E402
+from gradpatch.testing import f5_cfm, f5_inputs  # noqa: E402
 from gradpatch.fingerprint import fingerprint_module, fingerprint_source  # noqa: E402
 from gradpatch.fixes import sampling  # noqa: E402
 from gradpatch.activation import known_patches  # noqa: E402
@@ -69,21 +70,11 @@ def upstream_sample():
 
 
 def make(cls=DiT, seed=0, **extra):
-    torch.manual_seed(seed)
-    kw = dict(dim=32, depth=2, heads=2, dim_head=16, ff_mult=2, mel_dim=16, text_num_embeds=32)
-    if cls is not MMDiT:
-        kw["text_dim"] = 16
-    net = cls(**kw, **extra)
-    with torch.no_grad():
-        for p in net.parameters():
-            if not p.any():
-                p.normal_(std=0.05)
-    return CFM(transformer=net, mel_spec_kwargs=dict(n_mel_channels=16))
+    return f5_cfm(cls.__name__, seed, **extra)
 
 
 def inputs(seed=1):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(1, 8, 16, generator=g), torch.randint(0, 32, (1, 6), generator=g)
+    return f5_inputs(seed)
 
 
 @contextlib.contextmanager
