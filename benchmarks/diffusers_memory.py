@@ -25,35 +25,11 @@ import gradpatch  # noqa: E402
 
 
 def build(seed: int = 0):
-    from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
-    from peft import LoraConfig
-    from transformers import CLIPTextConfig, CLIPTextModel
+    from gradpatch.testing import add_lora, stable_diffusion_pipeline
 
-    torch.manual_seed(seed)
-    unet = UNet2DConditionModel(block_out_channels=(8, 16), layers_per_block=1, sample_size=8, in_channels=4,
-                                out_channels=4, down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
-                                up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"), cross_attention_dim=16,
-                                norm_num_groups=4, attention_head_dim=4)
-    vae = AutoencoderKL(block_out_channels=(8, 16), in_channels=3, out_channels=3, latent_channels=4,
-                        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
-                        norm_num_groups=4)
-    text = CLIPTextModel(CLIPTextConfig(bos_token_id=0, eos_token_id=2, pad_token_id=1, hidden_size=16,
-                                        intermediate_size=32, num_attention_heads=2, num_hidden_layers=1,
-                                        vocab_size=100, projection_dim=16))
-    unet.requires_grad_(False)
-    vae.requires_grad_(False)
-    unet.add_adapter(LoraConfig(r=2, lora_alpha=2, init_lora_weights=False,
-                                target_modules=["to_q", "to_k", "to_v", "to_out.0"]))
-    params = [p for n, p in unet.named_parameters() if "lora_" in n]
-    for p in params:
-        p.requires_grad_(True)
-    pipe = StableDiffusionPipeline(vae=vae, text_encoder=text, tokenizer=None, unet=unet,
-                                   scheduler=DDIMScheduler(clip_sample=False, steps_offset=1),
-                                   safety_checker=None, feature_extractor=None, requires_safety_checker=False)
-    pipe.set_progress_bar_config(disable=True)
-    with torch.no_grad():
-        embeds = text(torch.randint(3, 100, (1, 6)))[0], text(torch.randint(3, 100, (1, 6)))[0]
-    return pipe, params, embeds
+    pipe, embeds = stable_diffusion_pipeline(seed)
+    pipe.vae.requires_grad_(False)
+    return pipe, add_lora(pipe.unet), embeds
 
 
 def measure(pipe, params, embeds, steps: int, size: int, options: dict) -> tuple[int, float]:

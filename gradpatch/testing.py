@@ -95,3 +95,17 @@ def stable_diffusion_pipeline(seed: int = 0) -> tuple[object, tuple[torch.Tensor
     with torch.no_grad():
         embeds = text(torch.randint(3, 100, (1, 6)))[0], text(torch.randint(3, 100, (1, 6)))[0]
     return pipe, embeds
+
+
+def add_lora(unet: torch.nn.Module, rank: int = 2) -> list[torch.nn.Parameter]:
+    """Freeze a diffusers UNet and add a randomly initialised peft LoRA on its attention projections;
+    return the LoRA parameters (the only ones that train)."""
+    from peft import LoraConfig
+
+    unet.requires_grad_(False)
+    unet.add_adapter(LoraConfig(r=rank, lora_alpha=rank, init_lora_weights=False,
+                                target_modules=["to_q", "to_k", "to_v", "to_out.0"]))
+    params = [p for n, p in unet.named_parameters() if "lora_" in n]
+    for p in params:
+        p.requires_grad_(True)
+    return params

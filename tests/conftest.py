@@ -135,3 +135,52 @@ def pypi_wheels(name: str, versions: list[str]) -> list[Path] | str:
     folder = _pip_into(CACHE / f"{name}-wheels-{len(versions)}",
                        [download + [f"{name}=={v}"] for v in versions], timeout=120)
     return folder if isinstance(folder, str) else sorted(folder.glob("*.whl"))
+
+
+class BackgroundCheck:
+    """Runs ``script`` once, in an interpreter of its own, on released versions installed from PyPI.
+
+    ``releases`` maps a key to a thunk returning the installed folder (or why it could not be had);
+    the script receives ``{key: folder}`` as JSON in argv[1] and prints ``{key: result}`` as JSON.
+    Started early (it mostly imports, so it overlaps well with other tests), read on first use.
+    """
+
+    def __init__(self, script: str, releases: dict) -> None:
+        self.script, self.releases = script, releases
+        self.process, self.roots, self.results = None, {}, None
+
+    def start(self) -> None:
+        if self.process is not None or self.results is not None:
+            return
+        self.roots = {key: get() for key, get in self.releases.items()}
+        ready = {k: str(v) for k, v in self.roots.items() if isinstance(v, Path)}
+        env = {k: v for k, v in os.environ.items() if not k.startswith("GRADPATCH")}
+        env["HF_HUB_OFFLINE"] = "1"
+        self.process = subprocess.Popen([sys.executable, "-c", self.script, json.dumps(ready)], env=env,
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def result(self, key: str) -> tuple[Path, dict]:
+        self.start()
+        if self.results is None:
+            out, err = self.process.communicate(timeout=600)
+            assert self.process.returncode == 0, err[-3000:]
+            self.results = json.loads(out.strip().splitlines()[-1])
+        root = self.roots[key]
+        if isinstance(root, str):
+            pytest.skip(root)
+        result = self.results[key]
+        assert "error" not in result, result.get("error")
+        return root, result
+
+    @classmethod
+    def fixture(cls, request, script: str, releases: dict):
+        """Generator body for a module fixture: starts now when the module's slow tests are selected
+        (under xdist, on first use), kills the interpreter at teardown."""
+        check = cls(script, releases)
+        if not os.environ.get("PYTEST_XDIST_WORKER") and any(
+                item.module is request.module and item.get_closest_marker("slow") for item in request.session.items):
+            check.start()
+        yield check
+        if check.process is not None and check.process.poll() is None:
+            check.process.kill()
+            check.process.communicate()

@@ -12,6 +12,7 @@ diffusers = pytest.importorskip("diffusers")
 transformers = pytest.importorskip("transformers")
 
 import gradpatch  # noqa: E402
+from gradpatch.testing import add_lora, stable_diffusion_pipeline  # noqa: E402
 from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel  # noqa: E402
 from diffusers.pipelines.pipeline_utils import DiffusionPipeline  # noqa: E402
 
@@ -38,28 +39,14 @@ def _reinit_zeros(*models: torch.nn.Module) -> None:
                     param.normal_(0, 0.05)
 
 
-def _lora(unet: UNet2DConditionModel) -> list[torch.nn.Parameter]:
-    from peft import LoraConfig
-
-    unet.requires_grad_(False)
-    unet.add_adapter(LoraConfig(r=2, lora_alpha=2, init_lora_weights=False,
-                                target_modules=["to_q", "to_k", "to_v", "to_out.0"]))
-    params = [p for n, p in unet.named_parameters() if "lora_" in n]
-    for p in params:
-        p.requires_grad_(True)
-    return params
-
-
 def _scheduler() -> DDIMScheduler:
     return DDIMScheduler(clip_sample=False, set_alpha_to_one=False, steps_offset=1)
 
 
 def build_sd():
     """A tiny StableDiffusionPipeline (LoRA on the UNet) and CFG prompt embeddings."""
-    from gradpatch.testing import stable_diffusion_pipeline
-
     pipe, embeds = stable_diffusion_pipeline(SEED)
-    return pipe, _lora(pipe.unet), embeds
+    return pipe, add_lora(pipe.unet), embeds
 
 
 @pytest.fixture(scope="module")
@@ -198,7 +185,7 @@ def test_audioldm_cache_false(sd):
                                                     resblock_kernel_sizes=[3], resblock_dilation_sizes=[[1, 3]],
                                                     normalize_before=False))
     _reinit_zeros(unet, vae, text, vocoder)
-    params = _lora(unet)
+    params = add_lora(unet)
     pipe = AudioLDMPipeline(vae=vae, text_encoder=text, tokenizer=None, unet=unet, scheduler=_scheduler(),
                             vocoder=vocoder)
     pipe.set_progress_bar_config(disable=True)

@@ -4,7 +4,6 @@ from __future__ import annotations
 import io
 import subprocess
 import sys
-import warnings
 
 import pytest
 import torch

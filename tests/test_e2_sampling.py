@@ -18,11 +18,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -30,7 +25,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("e2_tts_pytorch")
 
 import gradpatch  # noqa: E402
-from conftest import pypi_release, pypi_wheels  # noqa: E402
+from conftest import BackgroundCheck, pypi_release, pypi_wheels  # noqa: E402
 from gradpatch.activation import known_patches  # noqa: E402
 from gradpatch.fingerprint import fingerprint_module, fingerprint_source  # noqa: E402
 from gradpatch.fixes import sampling  # noqa: E402
@@ -360,47 +355,10 @@ print(json.dumps(results))
 """
 
 
-class Batch:
-    """Installs the older releases, then checks them all in one background interpreter."""
-
-    def __init__(self) -> None:
-        self.process, self.roots, self.results = None, {}, None
-
-    def start(self) -> None:
-        if self.process is not None or self.results is not None:
-            return
-        self.roots = {version: pypi_release(f"e2-tts-pytorch=={version}") for version in OLDER}
-        ready = {k: str(v) for k, v in self.roots.items() if isinstance(v, Path)}
-        env = {k: v for k, v in os.environ.items() if not k.startswith("GRADPATCH")}
-        env["HF_HUB_OFFLINE"] = "1"
-        self.process = subprocess.Popen([sys.executable, "-c", CHECK, json.dumps(ready)], env=env,
-                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-    def result(self, version: str) -> tuple[Path, dict]:
-        self.start()
-        if self.results is None:
-            out, err = self.process.communicate(timeout=600)
-            assert self.process.returncode == 0, err[-3000:]
-            self.results = json.loads(out.strip().splitlines()[-1])
-        root = self.roots[version]
-        if isinstance(root, str):
-            pytest.skip(root)
-        result = self.results[version]
-        assert "error" not in result, result.get("error")
-        return root, result
-
-
 @pytest.fixture(scope="module", autouse=True)
 def older_runs(request):
-    """Started with the module when its slow tests are selected; under xdist, by the first slow test."""
-    batch = Batch()
-    if not os.environ.get("PYTEST_XDIST_WORKER") and any(
-            item.module is request.module and item.get_closest_marker("slow") for item in request.session.items):
-        batch.start()
-    yield batch
-    if batch.process is not None and batch.process.poll() is None:
-        batch.process.kill()
-        batch.process.communicate()
+    yield from BackgroundCheck.fixture(request, CHECK, {
+        version: (lambda v=version: pypi_release(f"e2-tts-pytorch=={v}")) for version in OLDER})
 
 
 @pytest.mark.slow

@@ -26,11 +26,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -38,7 +33,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("f5_tts")
 
 import gradpatch  # noqa: E402
-from conftest import pypi_release, pypi_wheels  # noqa: E402
+from conftest import BackgroundCheck, pypi_release, pypi_wheels  # noqa: E402
 from gradpatch.testing import f5_cfm, f5_inputs  # noqa: E402
 from gradpatch.fingerprint import fingerprint_module, fingerprint_source  # noqa: E402
 from gradpatch.fixes import sampling  # noqa: E402
@@ -502,48 +497,10 @@ FAMILIES = {  # family label -> (PyPI version tested, fingerprint, transformer c
 }
 
 
-class Batch:
-    """Installs every family, then checks them all in one background interpreter."""
-
-    def __init__(self, tree: Path) -> None:
-        self.tree, self.process, self.roots, self.results = tree, None, {}, None
-
-    def start(self) -> None:
-        if self.process is not None or self.results is not None:
-            return
-        self.roots = {family: pypi_release(f"f5-tts=={version}", "jieba") for family, (version, _, _) in FAMILIES.items()}
-        ready = {k: str(v) for k, v in self.roots.items() if isinstance(v, Path)}
-        env = {k: v for k, v in os.environ.items() if not k.startswith("GRADPATCH")}
-        env["HF_HUB_OFFLINE"] = "1"
-        self.process = subprocess.Popen([sys.executable, "-c", CHECK, json.dumps(ready)], env=env,
-                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-    def result(self, family: str) -> tuple[Path, dict]:
-        self.start()
-        if self.results is None:
-            out, err = self.process.communicate(timeout=600)
-            assert self.process.returncode == 0, err[-3000:]
-            self.results = json.loads(out.strip().splitlines()[-1])
-        root = self.roots[family]
-        if isinstance(root, str):
-            pytest.skip(root)
-        result = self.results[family]
-        assert "error" not in result, result.get("error")
-        return root, result
-
-
 @pytest.fixture(scope="module", autouse=True)
-def families(request, tmp_path_factory):
-    """Started with the module when its slow tests are selected (the interpreter mostly imports, so it
-    overlaps well with the tests above); under xdist, by the first slow test of a worker."""
-    batch = Batch(tmp_path_factory.mktemp("f5"))
-    if not os.environ.get("PYTEST_XDIST_WORKER") and any(
-            item.module is request.module and item.get_closest_marker("slow") for item in request.session.items):
-        batch.start()
-    yield batch
-    if batch.process is not None and batch.process.poll() is None:
-        batch.process.kill()
-        batch.process.communicate()
+def families(request):
+    yield from BackgroundCheck.fixture(request, CHECK, {
+        family: (lambda v=version: pypi_release(f"f5-tts=={v}", "jieba")) for family, (version, _, _) in FAMILIES.items()})
 
 
 CHECKED = ("grads", "grad_steps", "checkpoint", "train_kept", "cache_true_equal", "cache_clean")

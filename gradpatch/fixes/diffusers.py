@@ -44,8 +44,6 @@ import contextlib
 import functools
 import inspect
 import re
-import sys
-import types
 from contextvars import ContextVar
 from typing import Any, Callable, Iterator
 
