@@ -1,0 +1,191 @@
+"""Training-step time and saved activations of checkpoint variants on AudioLDM's real UNet.
+
+Run:  PYTHONPATH=. HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/checkpoint_speed.py [--quick]
+
+Variants, with every parameter trainable so that upstream V1 works: no checkpoint at all; upstream
+V1 (``audioldm.latent_diffusion.util.checkpoint``); plain ``torch.utils.checkpoint`` with
+``use_reentrant=False``; gradpatch's fixed checkpoint as the engine installs it, with policy
+``respect`` and with policy ``never``. CPU, one thread. Models: the tiny UNet (only the transformer
+blocks, which upstream always checkpoints), the same with ``use_checkpoint=True`` (ResBlocks too),
+and a 17M-parameter one with ``use_checkpoint=True``.
+
+The machine is shared, so: the clock is the thread's CPU time (``time.thread_time``), which other
+processes disturb much less than wall time; the variants are interleaved, every round running one
+step of each in a fresh random order; ratios are medians over rounds of the per-round ratio, whose
+quartiles show the noise. Saved activations are measured at the allocator level with the profiler's
+memory events (bytes still allocated after the forward, output included), which also counts V1's
+``ctx`` attributes that saved-tensor hooks would not see.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import random
+import statistics
+import sys
+import time
+from typing import Callable, Iterator
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import audioldm.latent_diffusion.attention as attention
+import audioldm.latent_diffusion.openaimodel as openaimodel
+import audioldm.latent_diffusion.util as util
+from audioldm.latent_diffusion.openaimodel import UNetModel
+
+from gradpatch import settings
+from gradpatch.fixes import checkpoint as fixed
+
+V1 = util.checkpoint
+
+
+def _torch_nr(func, inputs, params, flag):
+    if not flag:
+        return func(*inputs)
+    return torch.utils.checkpoint.checkpoint(func, *inputs, use_reentrant=False)
+
+
+# name -> (checkpoint function, checkpoint policy)
+VARIANTS: dict[str, tuple[Callable, str]] = {
+    "no-ckpt": (lambda func, inputs, params, flag: func(*inputs), "respect"),
+    "V1": (V1, "respect"),
+    "torch-NR": (_torch_nr, "respect"),
+    "fixed": (fixed.replace_checkpoint(V1), "respect"),  # what the engine installs
+    "never": (fixed.replace_checkpoint(V1), "never"),
+}
+
+MODELS = {  # name -> (UNet kwargs, latent side)
+    "tiny": (dict(model_channels=32, num_res_blocks=1, attention_resolutions=[2],
+                  channel_mult=(1, 2), num_head_channels=16), 16),
+    "tiny-all-blocks": (dict(model_channels=32, num_res_blocks=1, attention_resolutions=[2],
+                             channel_mult=(1, 2), num_head_channels=16, use_checkpoint=True), 16),
+    "medium": (dict(model_channels=64, num_res_blocks=2, attention_resolutions=[4, 2],
+                    channel_mult=(1, 2, 3), num_head_channels=32, use_checkpoint=True), 16),
+}
+
+
+@contextlib.contextmanager
+def use(variant: str) -> Iterator[None]:
+    func, policy = VARIANTS[variant]
+    saved = attention.checkpoint, openaimodel.checkpoint, settings.checkpoint_policy
+    attention.checkpoint = openaimodel.checkpoint = func
+    settings.checkpoint_policy = policy
+    try:
+        yield
+    finally:
+        attention.checkpoint, openaimodel.checkpoint, settings.checkpoint_policy = saved
+
+
+def build(kwargs: dict, side: int) -> tuple[torch.nn.Module, tuple]:
+    torch.manual_seed(0)
+    model = UNetModel(image_size=side, in_channels=4, out_channels=4, use_spatial_transformer=True,
+                      extra_film_condition_dim=16, extra_film_use_concat=True, **kwargs)
+    for p in model.parameters():  # the output conv starts at zero: no gradient would flow
+        if p.dim() > 1 and not p.any():
+            torch.nn.init.normal_(p, std=0.02)
+    batch = (torch.randn(2, 4, side, side), torch.randint(0, 1000, (2,)), torch.randn(2, 16))
+    return model, batch
+
+
+def step(model: torch.nn.Module, batch: tuple) -> float:
+    x, t, y = batch
+    model.zero_grad(set_to_none=True)
+    start = time.thread_time()
+    model(x, t, y=y).square().mean().backward()
+    return time.thread_time() - start
+
+
+@contextlib.contextmanager
+def quiet_stderr() -> Iterator[None]:
+    """The profiler's C++ side prints start/stop lines on fd 2; hide them."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(os.devnull, "w") as null:
+        os.dup2(null.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
+def saved_bytes(model: torch.nn.Module, batch: tuple) -> int:
+    x, t, y = batch
+    with quiet_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = model(x, t, y=y)
+    del out
+    return sum(e.self_cpu_memory_usage for e in prof.events())
+
+
+def interleaved(model: torch.nn.Module, batch: tuple, variants: list[str], rounds: int,
+                warmup: int) -> dict[str, list[float]]:
+    """Step times: every round runs each variant once, in a fresh random order."""
+    times: dict[str, list[float]] = {v: [] for v in variants}
+    order, rng = list(variants), random.Random(0)
+    for r in range(warmup + rounds):
+        rng.shuffle(order)
+        for variant in order:
+            with use(variant):
+                elapsed = step(model, batch)
+            if r >= warmup:
+                times[variant].append(elapsed)
+    return times
+
+
+def paired(times: dict[str, list[float]], a: str, b: str) -> tuple[float, float, float]:
+    """Median and quartiles of the per-round ratio a/b."""
+    ratios = [x / y for x, y in zip(times[a], times[b])]
+    low, median, high = statistics.quantiles(ratios, n=4)
+    return median, low, high
+
+
+def table(name: str, rounds: int, warmup: int) -> None:
+    kwargs, side = MODELS[name]
+    model, batch = build(kwargs, side)
+    n_params = sum(p.numel() for p in model.parameters())
+    times = interleaved(model, batch, list(VARIANTS), rounds, warmup)
+    memory = {}
+    for variant in VARIANTS:
+        with use(variant):
+            memory[variant] = saved_bytes(model, batch)
+    print(f"\n== {name}: {n_params / 1e6:.1f}M params, {rounds} rounds of all variants ==")
+    print(f"{'variant':9} {'median step':>12} {'/V1 paired':>11} {'quartiles':>14} "
+          f"{'saved after fwd':>16}")
+    for variant in VARIANTS:
+        median, low, high = paired(times, variant, "V1")
+        print(f"{variant:9} {statistics.median(times[variant]) * 1e3:10.1f}ms {median:11.3f} "
+              f"{low:6.3f}..{high:5.3f} {memory[variant] / 2**20:13.2f}MiB")
+    print("ratios: " + "   ".join(f"{a}/{b} = {paired(times, a, b)[0]:.3f}" for a, b in
+                                    [("fixed", "V1"), ("never", "V1"), ("fixed", "no-ckpt")]))
+
+
+def head_to_head(rounds: int) -> None:
+    """The acceptance number: fixed against V1 on the tiny UNet, with rounds enough to resolve
+    differences under 1% on a loaded machine (the per-round ratio scatters by about 5%)."""
+    model, batch = build(*MODELS["tiny"])
+    times = interleaved(model, batch, ["V1", "fixed"], rounds, 5)
+    median, low, high = paired(times, "fixed", "V1")
+    error = 1.25 * (high - low) / 1.35 / len(times["V1"]) ** 0.5  # standard error of the median
+    print(f"\n== tiny, fixed vs V1 only, {rounds} rounds ==\nfixed/V1 = {median:.3f} "
+          f"+- {error:.3f} (quartiles {low:.3f}..{high:.3f})")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer rounds, tiny model only")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    if args.quick:
+        table("tiny", 10, 2)
+        head_to_head(60)
+        return
+    table("tiny", 20, 2)
+    table("tiny-all-blocks", 20, 2)
+    table("medium", 8, 1)
+    head_to_head(300)
+
+
+if __name__ == "__main__":
+    main()
