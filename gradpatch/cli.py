@@ -45,10 +45,11 @@ def _version(patch: Patch) -> str | None:
     if not patch.requires:
         return None
     from importlib.metadata import PackageNotFoundError, version
-    from packaging.requirements import Requirement
+
+    from gradpatch.activation import split_requirement
 
     try:
-        return version(Requirement(patch.requires).name)
+        return version(split_requirement(patch.requires)[0])
     except PackageNotFoundError:
         return None
 
