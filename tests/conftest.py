@@ -184,3 +184,23 @@ class BackgroundCheck:
         if check.process is not None and check.process.poll() is None:
             check.process.kill()
             check.process.communicate()
+
+
+@pytest.fixture(scope="module")
+def single_thread():
+    """Tiny models on 2 shared cores: intra-op threads only add contention (measured ~10x the CPU
+    time for the diffusers tests)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def upstream_method(cls: type, name: str) -> object:
+    """``cls.name`` as upstream defines it, under any gradpatch wrapper currently installed."""
+    method = vars(cls)[name]
+    while getattr(method, "__module__", "").startswith("gradpatch"):
+        method = method.__wrapped__
+    return method

@@ -16,18 +16,9 @@ from gradpatch.testing import add_lora, stable_diffusion_pipeline  # noqa: E402
 from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel  # noqa: E402
 from diffusers.pipelines.pipeline_utils import DiffusionPipeline  # noqa: E402
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning:diffusers", "ignore:.*deprecated")
+pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning:diffusers", "ignore:.*deprecated"),
+              pytest.mark.usefixtures("single_thread")]
 SEED = 0
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a shared 2-core machine OpenMP workers
-    waiting for each other cost ~10x the CPU time (measured: 28 s against 2.8 s for this file)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _reinit_zeros(*models: torch.nn.Module) -> None:

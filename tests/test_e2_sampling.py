@@ -25,7 +25,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("e2_tts_pytorch")
 
 import gradpatch  # noqa: E402
-from conftest import BackgroundCheck, pypi_release, pypi_wheels  # noqa: E402
+from conftest import BackgroundCheck, pypi_release, pypi_wheels, upstream_method  # noqa: E402
 from gradpatch.activation import known_patches  # noqa: E402
 from gradpatch.fingerprint import fingerprint_module, fingerprint_source  # noqa: E402
 from gradpatch.fixes import sampling  # noqa: E402
@@ -38,19 +38,11 @@ CURRENT = "397b47e8304dbfa8"  # E2TTS.sample of e2-tts-pytorch 2.2.0-2.2.2
 KNOWN = known_patches()["e2_tts.sample"].recognise.known
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def upstream_sample():
-    method = E2TTS.__dict__["sample"]
-    while getattr(method, "__module__", "").startswith("gradpatch"):
-        method = method.__wrapped__
-    return method
+    return upstream_method(E2TTS, "sample")
 
 
 def make(seed=0, dropout=0.0):

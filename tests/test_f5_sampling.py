@@ -33,7 +33,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("f5_tts")
 
 import gradpatch  # noqa: E402
-from conftest import BackgroundCheck, pypi_release, pypi_wheels  # noqa: E402
+from conftest import BackgroundCheck, pypi_release, pypi_wheels, upstream_method  # noqa: E402
 from gradpatch.testing import f5_cfm, f5_inputs  # noqa: E402
 from gradpatch.fingerprint import fingerprint_module, fingerprint_source  # noqa: E402
 from gradpatch.fixes import sampling  # noqa: E402
@@ -47,21 +47,11 @@ CURRENT = "3d59b67a10d9082a"  # CFM.sample of f5-tts 1.1.16-1.1.22
 KNOWN = known_patches()["f5_tts.sample"].recognise.known  # fingerprint -> "family · provenance"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Tiny models on 2 shared cores: intra-op threads only add contention.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def upstream_sample():
-    """The decorated upstream ``CFM.sample`` (what is installed when gradpatch is not)."""
-    method = CFM.__dict__["sample"]
-    while getattr(method, "__module__", "").startswith("gradpatch"):
-        method = method.__wrapped__
-    return method
+    return upstream_method(CFM, "sample")
 
 
 def make(cls=DiT, seed=0, **extra):
