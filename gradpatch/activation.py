@@ -8,7 +8,6 @@ the user's ``import`` (unless strict).
 from __future__ import annotations
 
 import contextlib
-import difflib
 import functools
 import logging
 import sys
@@ -60,6 +59,8 @@ def select(names: Iterable[str] = (), exclude: Iterable[str] = (), *, source: st
                 continue
             hits = {p.name for p in patches.values() if name in (_normalise(p.name), _normalise(p.upstream))}
             if not hits:
+                import difflib
+
                 close = difflib.get_close_matches(name, sorted(vocabulary), n=1)
                 hint = f"did you mean {close[0]!r}? " if close else ""
                 complain(ConfigWarning, f"gradpatch: unknown patch {raw!r} in {source}; {hint}"

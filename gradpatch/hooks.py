@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import importlib
 import sys
-from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Callable, Iterable
+from typing import Callable, Iterable, NamedTuple
 
 from gradpatch.errors import RevertWarning, complain
 
@@ -56,8 +55,7 @@ def locate(module: ModuleType, qualname: str) -> tuple[object, str, object]:
     raise LookupError(f"{module.__name__} has no attribute {qualname!r}")
 
 
-@dataclass
-class Installed:
+class Installed(NamedTuple):
     """One replacement in place, with everything needed to undo it."""
 
     name: str
@@ -65,7 +63,7 @@ class Installed:
     attr: str
     original: object
     replacement: object
-    rebound: list[tuple[ModuleType, str]] = field(default_factory=list)
+    rebound: list[tuple[ModuleType, str]]
 
     def rebound_names(self) -> tuple[str, ...]:
         return tuple(f"{module.__name__}.{name}" for module, name in self.rebound)
@@ -101,14 +99,15 @@ def install(name: str, module: ModuleType, qualname: str, factory: Callable[[obj
         raise TypeError(f"the fix for {name!r} returned the original or another target's object; "
                         "a fix factory must build a new object per call")
     setattr(owner, attr, replacement)
-    installed = Installed(name, owner, attr, original, replacement)
+    rebound: list[tuple[ModuleType, str]] = []
     if late and owner is module:
         # An object the module defines may have been imported anywhere (a user's script too); one it
         # merely imported (torch's checkpoint bound into sgm) belongs to others: only the target's
         # own package is rebound then, and torch keeps its function everywhere else.
         defined_here = getattr(original, "__module__", None) == module.__name__
-        installed.rebound = rebind(original, replacement, skip=module,
-                                   within=None if defined_here else module.__name__.partition(".")[0])
+        rebound = rebind(original, replacement, skip=module,
+                         within=None if defined_here else module.__name__.partition(".")[0])
+    installed = Installed(name, owner, attr, original, replacement, rebound)
     return installed
 
 

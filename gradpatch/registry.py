@@ -8,7 +8,7 @@ does the rest. A :class:`Record` says what happened to one patch in this process
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from gradpatch.fingerprint import Recogniser
 
@@ -24,8 +24,7 @@ class Status(str, enum.Enum):
         return self.value
 
 
-@dataclass(frozen=True)
-class Patch:
+class Patch(NamedTuple):
     """One declared replacement.
 
     ``target`` is ``"package.module:Qual.name"``: a module attribute (``util:checkpoint``) or a class
@@ -53,8 +52,7 @@ class Patch:
         return self.target.partition(":")[2]
 
 
-@dataclass(frozen=True)
-class Record:
+class Record(NamedTuple):
     """What happened to one patch: ``status`` and, in words, ``reason``.
 
     ``variant`` is the recognised code's label (provenance of the matching fingerprint) or, for unknown

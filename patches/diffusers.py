@@ -11,9 +11,8 @@ that patches each one defined later; revert removes it and restores every class 
 """
 from __future__ import annotations
 
-import inspect
-from dataclasses import dataclass
-from types import ModuleType
+from types import FunctionType, ModuleType
+from typing import NamedTuple
 
 from gradpatch.fingerprint import Identity, has_parameter
 from gradpatch.registry import Patch
@@ -21,8 +20,7 @@ from gradpatch.registry import Patch
 _REQUIRES = "diffusers>=0.25,<0.43"
 
 
-@dataclass(frozen=True)
-class PipelineHierarchy:
+class PipelineHierarchy(NamedTuple):
     """Recognise ``module.<base>`` as a class hierarchy the fix can take over: a class that does not
     define ``__init_subclass__`` itself (the fix installs one). Which subclasses have a
     ``@torch.no_grad()`` ``__call__`` is decided per class by the fix, also for classes created later."""
@@ -39,15 +37,14 @@ class PipelineHierarchy:
         return Identity("known", self.label)
 
 
-@dataclass(frozen=True)
-class LacksParameter:
+class LacksParameter(NamedTuple):
     """Recognise a plain function that does not take ``name`` yet (if it does, upstream fixed it)."""
 
     name: str
     label: str
 
     def identify(self, module: ModuleType, qualname: str, original: object) -> Identity:
-        if not inspect.isfunction(original):
+        if not isinstance(original, FunctionType):
             return Identity("unknown", f"{qualname} is not a plain function")
         if has_parameter(self.name)(original):
             return Identity("fixed", f"{qualname} already takes {self.name!r}")
