@@ -79,16 +79,18 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_EXPORTS))
 
 
-def _startup_file_missing() -> bool:
-    if sys.flags.no_site:
-        return True
-    return not any(os.path.isfile(os.path.join(entry, "gradpatch.pth")) for entry in sys.path if entry)
-
-
-if os.environ.get("GRADPATCH", "").strip() not in ("", "0") and _startup_file_missing():
+def _warn_if_startup_file_missing() -> None:
+    if os.environ.get("GRADPATCH", "").strip() in ("", "0"):
+        return
+    if not sys.flags.no_site and any(os.path.isfile(os.path.join(entry, "gradpatch.pth"))
+                                     for entry in sys.path if entry):
+        return
     from gradpatch.errors import StartupWarning, complain
 
     complain(StartupWarning, "gradpatch: GRADPATCH is set but gradpatch's startup file (gradpatch.pth) "
              "is not installed in this environment, so new Python processes are not patched "
              "automatically. Reinstall gradpatch with pip, or call gradpatch.apply() / "
              "`import gradpatch.auto` in your program.")
+
+
+_warn_if_startup_file_missing()
