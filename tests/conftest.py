@@ -156,6 +156,7 @@ class BackgroundCheck:
         ready = {k: str(v) for k, v in self.roots.items() if isinstance(v, Path)}
         env = {k: v for k, v in os.environ.items() if not k.startswith("GRADPATCH")}
         env["HF_HUB_OFFLINE"] = "1"
+        env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "tests"), env.get("PYTHONPATH", "")])  # release_check
         self.process = subprocess.Popen([sys.executable, "-c", self.script, json.dumps(ready)], env=env,
                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -204,3 +205,13 @@ def upstream_method(cls: type, name: str) -> object:
     while getattr(method, "__module__", "").startswith("gradpatch"):
         method = method.__wrapped__
     return method
+
+
+def assert_grads_equal(got, want) -> None:
+    """Two sequences of gradients: equal length, all finite, equal to rtol 1e-5."""
+    import torch
+
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert torch.isfinite(g).all()
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-8)

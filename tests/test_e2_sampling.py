@@ -25,7 +25,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("e2_tts_pytorch")
 
 import gradpatch  # noqa: E402
-from conftest import BackgroundCheck, pypi_release, pypi_wheels, upstream_method  # noqa: E402
+from conftest import BackgroundCheck, assert_grads_equal, pypi_release, pypi_wheels, upstream_method  # noqa: E402
 from gradpatch.activation import known_patches  # noqa: E402
 from gradpatch.fingerprint import fingerprint_module, fingerprint_source  # noqa: E402
 from gradpatch.fixes import sampling  # noqa: E402
@@ -100,13 +100,6 @@ def patched_grads(model, seed=0, **kw):
     out = model.sample(cond, text=TEXT, cache=False, **kw)
     assert out.grad_fn is not None
     return grads_of(model, out, cond)
-
-
-def assert_grads_equal(got, want):
-    assert len(got) == len(want)
-    for g, w in zip(got, want):
-        assert torch.isfinite(g).all()
-        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-8)
 
 
 def test_report_signature_and_revert():
@@ -257,31 +250,15 @@ def test_every_catalogued_fingerprint_is_a_published_release():
 # Both releases are checked in turn in one background interpreter (torch and the dependencies imported
 # once; e2_tts_pytorch purged and imported again from the next directory).
 CHECK = r"""
-import importlib, inspect, json, sys, traceback, torch
+import inspect, torch
 torch.set_num_threads(1)
 import gradpatch
+from release_check import main, switch_to
 
 def load(root):
-    for name in [m for m in sys.modules if m == "e2_tts_pytorch" or m.startswith("e2_tts_pytorch.")]:
-        del sys.modules[name]
-    sys.path.insert(0, root)
-    importlib.invalidate_caches()
-    from gradpatch import activation  # the engine caches installed versions, fairly, per process
-    getattr(activation._installed_version, "cache_clear", lambda: None)()
+    switch_to(root, "e2_tts_pytorch")
     from e2_tts_pytorch import e2_tts
     return e2_tts
-
-def check(root, deferred):
-    if deferred:
-        gradpatch.apply("e2_tts")
-    module = load(root)
-    if not deferred:
-        gradpatch.apply("e2_tts")
-    try:
-        return run(module)
-    finally:
-        gradpatch.revert("e2_tts")
-        sys.path.remove(root)
 
 def run(module):
     torch.manual_seed(0)
@@ -337,13 +314,7 @@ def run(module):
     result["cache_true_equal"] = bool(torch.equal(a, b))
     return result
 
-results = {}
-for i, (key, root) in enumerate(json.loads(sys.argv[1]).items()):
-    try:
-        results[key] = check(root, deferred=(i == 0))
-    except Exception:
-        results[key] = {"error": traceback.format_exc()}
-print(json.dumps(results))
+main("e2_tts", load, run)
 """
 
 

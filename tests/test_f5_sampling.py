@@ -33,7 +33,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("f5_tts")
 
 import gradpatch  # noqa: E402
-from conftest import BackgroundCheck, pypi_release, pypi_wheels, upstream_method  # noqa: E402
+from conftest import BackgroundCheck, assert_grads_equal, pypi_release, pypi_wheels, upstream_method  # noqa: E402
 from gradpatch.testing import f5_cfm, f5_inputs  # noqa: E402
 from gradpatch.fingerprint import fingerprint_module, fingerprint_source  # noqa: E402
 from gradpatch.fixes import sampling  # noqa: E402
@@ -109,13 +109,6 @@ def patched_grads(model, cond, text, **kw):
     out, _ = model.sample(cond, text, cache=False, **kw)
     assert out.grad_fn is not None
     return grads_of(model, out, cond)
-
-
-def assert_grads_equal(got, want):
-    assert len(got) == len(want)
-    for g, w in zip(got, want):
-        assert torch.isfinite(g).all()
-        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-8)
 
 
 def cache_is_clean(net):
@@ -362,17 +355,13 @@ PUBLISHED = ["0.3.4", "0.6.2", "1.0.0", "1.0.3", "1.0.8", "1.1.0", "1.1.4", "1.1
 # itself is purged from sys.modules and imported again from the next directory. The first family is
 # patched as it is imported (apply() before the import), the others after (apply() on a loaded module).
 CHECK = r"""
-import contextlib, importlib, inspect, json, os, sys, traceback, types, torch
+import contextlib, inspect, os, sys, types, torch
 torch.set_num_threads(1)
 import gradpatch
+from release_check import main, switch_to
 
 def load(root):
-    for name in [m for m in sys.modules if m == "f5_tts" or m.startswith("f5_tts.")]:
-        del sys.modules[name]
-    sys.path.insert(0, root)
-    importlib.invalidate_caches()
-    from gradpatch import activation  # the engine caches installed versions, fairly, per process
-    getattr(activation._installed_version, "cache_clear", lambda: None)()
+    switch_to(root, "f5_tts")
     # f5_tts.model's __init__ also imports the trainer (datasets, wandb, ...): skip it, import what
     # sample() needs.
     package = types.ModuleType("f5_tts.model")
@@ -381,18 +370,6 @@ def load(root):
     from f5_tts.model import cfm
     from f5_tts.model.backbones.dit import DiT
     return cfm, DiT
-
-def check(root, deferred):
-    if deferred:
-        gradpatch.apply("f5_tts")
-    cfm_module, DiT = load(root)
-    if not deferred:
-        gradpatch.apply("f5_tts")
-    try:
-        return run(cfm_module, DiT)
-    finally:
-        gradpatch.revert("f5_tts")
-        sys.path.remove(root)
 
 def run(cfm_module, DiT):
     CFM = cfm_module.CFM
@@ -470,13 +447,7 @@ def run(cfm_module, DiT):
                              and not {"forward", "clear_cache", "eval"} & (vars(net).keys() | vars(model).keys()))
     return result
 
-results = {}
-for i, (key, root) in enumerate(json.loads(sys.argv[1]).items()):
-    try:
-        results[key] = check(root, deferred=(i == 0))
-    except Exception:
-        results[key] = {"error": traceback.format_exc()}
-print(json.dumps(results))
+main("f5_tts", load, lambda loaded: run(*loaded))
 """
 
 
