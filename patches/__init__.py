@@ -16,4 +16,6 @@ MODULES = (
     "diffusers",
     "f5_tts",
     "e2_tts",
+    "k_diffusion",
+    "stable_audio_tools",
 )

@@ -1,0 +1,290 @@
+"""Differentiable k-diffusion samplers against the real upstream (k-diffusion 0.1.1.post1 here).
+
+The denoiser is k-diffusion's own ``k_diffusion.layers.Denoiser`` (Karras preconditioning) around a
+tiny random convolutional network with dropout; no weights, no downloads. Every one of the 13
+``sample_*`` functions is checked:
+
+* ``cache=True`` is the upstream function bit for bit (no graph), and upstream itself gives no graph.
+* ``cache=False`` gradients (every parameter and the input noise) equal those of the undecorated
+  upstream body (``inspect.unwrap``) run with grad on, to 1e-5 relative.
+* ``checkpoint_steps=True`` gives the same gradients (in train mode with dropout: the recompute replays
+  the RNG) and autograd saves fewer bytes during the forward (``saved_tensors_hooks``).
+* ``grad_steps=K`` (fixed-step samplers) equals the undecorated body with a ``model`` wrapper that runs
+  the first calls under ``no_grad``: as many as the first N-K steps make, counted from the algorithm
+  (Heun, DPM-2, DPM-2 ancestral, DPM++ 2S ancestral and DPM++ SDE make two calls per step and one in the
+  last, whose next sigma is 0; the others one), not from the fix's loop tracking. The total number of
+  calls is checked against that count. The two adaptive samplers refuse ``grad_steps``.
+"""
+from __future__ import annotations
+
+import inspect
+import warnings
+
+import pytest
+
+torch = pytest.importorskip("torch")
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # clip-anytorch imports pkg_resources, which warns of its removal
+    K = pytest.importorskip("k_diffusion")
+
+import gradpatch  # noqa: E402
+from conftest import assert_grads_equal  # noqa: E402
+from gradpatch.activation import known_patches  # noqa: E402
+from gradpatch.fingerprint import fingerprint_module  # noqa: E402
+from gradpatch.fixes import function_sampler, sampling  # noqa: E402
+from k_diffusion import sampling as kd  # noqa: E402
+from tqdm import trange  # noqa: E402  (the fake sampler below loops like upstream)
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+TWO_CALLS = {"sample_heun", "sample_dpm_2", "sample_dpm_2_ancestral", "sample_dpmpp_2s_ancestral", "sample_dpmpp_sde"}
+ADAPTIVE = {"sample_dpm_fast", "sample_dpm_adaptive"}
+ALL = [name for name in vars(kd) if name.startswith("sample_")]
+FIXED = [name for name in ALL if name not in ADAPTIVE]
+STEPS, SIGMA_MIN, SIGMA_MAX = 4, 0.05, 5.0
+SIGMAS = kd.get_sigmas_karras(STEPS, SIGMA_MIN, SIGMA_MAX)
+
+
+class Tiny(torch.nn.Module):
+    """``inner_model(x, sigma)`` for ``K.layers.Denoiser``: two convolutions, a sigma embedding, dropout."""
+
+    def __init__(self, channels=2, hidden=16, dropout=0.0):
+        super().__init__()
+        self.inp = torch.nn.Conv1d(channels, hidden, 3, padding=1)
+        self.emb = torch.nn.Linear(1, hidden)
+        self.drop = torch.nn.Dropout(dropout)
+        self.out = torch.nn.Conv1d(hidden, channels, 3, padding=1)
+
+    def forward(self, x, sigma):
+        h = self.inp(x) + self.emb(sigma.reshape(-1, 1).log())[..., None]
+        return self.out(self.drop(torch.tanh(h)))
+
+
+def make(dropout=0.0, seed=0):
+    torch.manual_seed(seed)
+    return K.layers.Denoiser(Tiny(dropout=dropout), sigma_data=0.5)
+
+
+NOISE = torch.randn(2, 2, 12, generator=torch.Generator().manual_seed(1))
+
+
+def call(fn, model, x, name, **options):
+    if name == "sample_dpm_fast":
+        return fn(model, x, SIGMA_MIN, SIGMA_MAX, 5, disable=True, **options)
+    if name == "sample_dpm_adaptive":
+        return fn(model, x, SIGMA_MIN, SIGMA_MAX, rtol=0.1, atol=0.1, disable=True, **options)
+    return fn(model, x, SIGMAS, disable=True, **options)
+
+
+def grads(model, name, fn=None, denoiser=None, **options):
+    """Gradients of a fixed loss over every parameter of ``model`` and the input noise, sampling with
+    ``fn`` (default: ``kd.<name>`` as currently installed) and ``denoiser`` (default: ``model``).
+    Seeded: the ancestral and SDE samplers draw noise."""
+    fn = fn or getattr(kd, name)
+    x = (NOISE * SIGMA_MAX).requires_grad_(True)
+    torch.manual_seed(3)
+    out = call(fn, denoiser or model, x, name, **options)
+    assert out.grad_fn is not None
+    loss = (out * torch.linspace(-1, 2, out.shape[-1])).square().mean()
+    model.zero_grad()
+    loss.backward()
+    assert all(p.grad is not None for p in model.parameters())
+    return [p.grad.clone() for p in model.parameters()] + [x.grad.clone()]
+
+
+def reference(model, name, no_grad_calls=0):
+    """The undecorated upstream body, grad on, its first ``no_grad_calls`` model calls under no_grad.
+    Returns the gradients and how many calls the body made."""
+    calls = [0]
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        with torch.set_grad_enabled(calls[0] > no_grad_calls):
+            return model(*args, **kwargs)
+
+    with torch.enable_grad():
+        got = grads(model, name, fn=inspect.unwrap(getattr(kd, name)), denoiser=counted)
+    return got, calls[0]
+
+
+def calls_per_step(name):
+    """Model calls in each of the STEPS steps, from the algorithm (the last sigma is 0)."""
+    return [2] * (STEPS - 1) + [1] if name in TWO_CALLS else [1] * STEPS
+
+
+def saved_bytes(model, run):
+    """``run()``'s output and the bytes of the distinct storages autograd saved for backward while it
+    ran, parameters excluded (a checkpointed evaluation's own saves go to the checkpoint's hooks)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in params:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        out = run()
+    return out, sum(seen.values())
+
+
+@pytest.fixture(scope="module", autouse=True)
+def patched():
+    """Applied once for the module: applying walks every loaded module's globals to rebind (about a
+    second per apply with k-diffusion's imports loaded)."""
+    gradpatch.apply("k_diffusion")
+    yield
+    gradpatch.revert("k_diffusion")
+
+
+def upstream(name):
+    """``kd.<name>`` as upstream defines it."""
+    fn = getattr(kd, name)
+    return fn.__wrapped__ if "gradpatch" in fn.__code__.co_filename else fn  # wraps() copied the names
+
+
+def test_every_sampler_is_patched_and_reverted():
+    assert sorted(ALL) == sorted(n.split(".", 1)[1] for n in known_patches() if n.startswith("k_diffusion."))
+    records = {r.patch: r for r in gradpatch.report()}
+    originals = {name: upstream(name) for name in ALL}
+    for name in ALL:
+        record = records[f"k_diffusion.{name}"]
+        assert record.status == "applied" and record.version == "0.1.1.post1"
+        assert "k-diffusion 0.1.1" in record.variant
+        digest = fingerprint_module(kd, [name])
+        assert known_patches()[f"k_diffusion.{name}"].recognise.known[digest] == record.variant
+        patched = getattr(kd, name)
+        assert patched is not originals[name] and patched.__wrapped__ is originals[name]
+        params = inspect.signature(patched).parameters
+        for keyword, default in [("cache", True), ("grad_steps", None), ("checkpoint_steps", False)]:
+            assert params[keyword].kind is inspect.Parameter.KEYWORD_ONLY and params[keyword].default == default
+    gradpatch.revert("k_diffusion")
+    try:
+        assert {name: getattr(kd, name) for name in ALL} == originals
+    finally:
+        gradpatch.apply("k_diffusion")
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_cache_true_is_upstream_bit_for_bit(name):
+    model = make()
+    x = (NOISE * SIGMA_MAX).requires_grad_(True)
+    torch.manual_seed(5)
+    want = call(upstream(name), model, x, name)
+    assert want.grad_fn is None  # upstream: no graph, whatever the caller's grad mode
+    torch.manual_seed(5)
+    got = call(getattr(kd, name), model, x, name)
+    assert torch.equal(got, want) and got.grad_fn is None
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_cache_false_gradients_equal_the_unwrapped_body(name):
+    model = make().eval()
+    with pytest.raises(AssertionError):
+        grads(model, name, fn=upstream(name))  # upstream: the output has no graph
+    want, _ = reference(model, name)
+    got = grads(model, name, cache=False)
+    assert_grads_equal(got, want)
+    assert sampling.active_options() is None
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_checkpoint_steps_equal_gradients_with_fewer_saved_bytes(name):
+    model = make(dropout=0.2).train()  # dropout on: the recompute must replay the RNG
+    plain, plain_bytes = saved_bytes(model, lambda: grads(model, name, cache=False))
+    checkpointed, checkpointed_bytes = saved_bytes(model, lambda: grads(model, name, cache=False, checkpoint_steps=True))
+    assert model.training
+    assert_grads_equal(checkpointed, plain)
+    assert checkpointed_bytes < plain_bytes, (checkpointed_bytes, plain_bytes)
+
+
+@pytest.mark.parametrize("name", FIXED)
+@pytest.mark.parametrize("k", [1, 2])
+def test_grad_steps_equals_a_reference_with_early_calls_under_no_grad(name, k):
+    model = make().eval()
+    per_step = calls_per_step(name)
+    want, total_calls = reference(model, name, no_grad_calls=sum(per_step[:STEPS - k]))
+    assert total_calls == sum(per_step)  # the per-step count the reference relies on
+    full, _ = reference(model, name)
+    got = grads(model, name, cache=False, grad_steps=k)
+    both = grads(model, name, cache=False, grad_steps=k, checkpoint_steps=True)
+    everything = grads(model, name, cache=False, grad_steps=STEPS)
+    assert_grads_equal(got, want)
+    assert_grads_equal(both, want)
+    assert_grads_equal(everything, full)  # K >= N is the plain run
+    assert any(not torch.allclose(g, f) for g, f in zip(got[:-1], full[:-1]))  # truncation did something
+    assert kd.trange.__module__.startswith("tqdm")  # the loop shadow lasted the call only
+
+
+@pytest.mark.parametrize("name", sorted(ADAPTIVE))
+def test_adaptive_samplers_refuse_grad_steps(name):
+    model = make()
+    with pytest.raises(ValueError, match="chooses its steps as it goes.*checkpoint_steps"):
+        call(getattr(kd, name), model, NOISE, name, cache=False, grad_steps=1)
+    assert sampling.active_options() is None
+
+
+def test_modes_and_bad_options():
+    model = make(dropout=0.2).train()
+    with torch.no_grad():
+        out = kd.sample_heun(model, NOISE, SIGMAS, disable=True, cache=False)
+        assert not torch.is_grad_enabled()
+    assert out.grad_fn is not None and all(m.training for m in model.modules())
+    with pytest.raises(ValueError, match="cache=False"):
+        kd.sample_euler(model, NOISE, SIGMAS, disable=True, grad_steps=1)
+    with pytest.raises(ValueError, match="positive"):
+        kd.sample_euler(model, NOISE, SIGMAS, disable=True, cache=False, grad_steps=0)
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="inference_mode"):
+        kd.sample_euler(model, NOISE, SIGMAS, disable=True, cache=False)
+    with pytest.raises(TypeError):
+        kd.sample_euler(model, NOISE, SIGMAS, disable=True, cache=False, bogus=1)
+    assert sampling.active_options() is None
+
+
+def test_a_sampler_inside_a_denoiser_follows_the_outer_call():
+    """A patched sampler called without ``cache=`` inside another's ``cache=False`` call builds a graph;
+    called from the outer denoiser, its evaluations belong to the outer step (no_grad or checkpointed
+    with it). Gradients equal the same composition of undecorated bodies."""
+    model = make().eval()
+
+    def nested(sample_heun):
+        def denoiser(x, sigma):  # refines with a Heun run of its own
+            return sample_heun(model, x, SIGMAS[-3:], disable=True) * sigma.reshape(-1, 1, 1).tanh()
+        return denoiser
+
+    with torch.enable_grad():
+        want = grads(model, "sample_euler", fn=inspect.unwrap(kd.sample_euler),
+                     denoiser=nested(inspect.unwrap(kd.sample_heun)))
+    for options in ({}, {"checkpoint_steps": True}):
+        got = grads(model, "sample_euler", denoiser=nested(kd.sample_heun), cache=False, **options)
+        assert_grads_equal(got, want)
+    got = grads(model, "sample_euler", denoiser=nested(kd.sample_heun), cache=False, grad_steps=1)
+    assert not any(torch.allclose(g, w) for g, w in zip(got[:-1], want[:-1]))
+
+
+@torch.no_grad()
+def evaluates_before_its_loop(model, x, sigmas):
+    x = model(x, sigmas[0] * x.new_ones([x.shape[0]]))
+    for i in trange(len(sigmas) - 1, disable=True):
+        x = model(x, sigmas[i] * x.new_ones([x.shape[0]]))
+    return x
+
+
+@torch.no_grad()
+def two_loops(model, x, sigmas):
+    for _ in range(2):
+        for i in trange(len(sigmas) - 1, disable=True):
+            x = model(x, sigmas[i] * x.new_ones([x.shape[0]]))
+    return x
+
+
+def test_grad_steps_refuses_to_guess_the_step():
+    """Engine checks on stand-in samplers: an evaluation outside the loop, or a second loop, raises."""
+    model = make()
+    for body in (evaluates_before_its_loop, two_loops):
+        fixed = function_sampler.fixed_step_sampler(body)
+        with pytest.raises(RuntimeError, match="grad_steps"):
+            fixed(model, NOISE, SIGMAS, cache=False, grad_steps=1)
+        assert fixed(model, NOISE, SIGMAS, cache=False, checkpoint_steps=True).grad_fn is not None
+    assert trange.__module__.startswith("tqdm") and sampling.active_options() is None
