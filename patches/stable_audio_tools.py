@@ -11,7 +11,8 @@ samplers cannot be differentiated.
 
 The fix is k-diffusion's (``gradpatch/fixes/function_sampler.py``): ``cache=True`` (the original),
 ``cache=False``, ``grad_steps=K`` (RK4: four evaluations per step), ``checkpoint_steps=True``. Inside
-``sample_diffusion(cache=False)``, the vendored samplers follow its options and count the steps. Without
+``sample_diffusion(cache=False)``, the vendored samplers follow its options and count the steps; for
+those sampler types the unit under ``no_grad`` or checkpointed is their denoiser, ``VDenoiser(model)``. Without
 the patch, ``sample_diffusion(..., cache=False)`` would pass ``cache`` on to the model silently.
 The samplers ``sample_diffusion`` calls in its module are not part of its fingerprint: their step loops
 are checked as they run (an evaluation outside the loop, or a second loop, raises under ``grad_steps``).
@@ -32,6 +33,9 @@ from .k_diffusion import k_diffusion_samplers
 _FIX = "gradpatch.fixes.function_sampler:fixed_step_sampler"
 _MODULE = "stable_audio_tools.inference.sampling"
 _DIST = "stable-audio-tools"
+# 0.0.20 kept the names of 0.0.19's samplers but dropped their decorators: the ranges keep those (and
+# the absent ``sample``) out of 0.0.20's report instead of warning that they are unknown.
+_OWN, _UNIFIED = f"{_DIST}<0.0.20", f"{_DIST}>=0.0.20"
 
 OWN_SAMPLERS = {  # 0.0.19
     "sample_discrete_euler": "92f7a6392f3eb022",
@@ -48,13 +52,13 @@ PATCHES = [
             Fingerprints({digest: "stable-audio-tools 0.0.19 · PyPI stable-audio-tools 0.0.19"},
                          fixed_if=has_parameter("cache")),
             "stable_audio_tools", f"{name}(cache=False): gradients through the sampler; grad_steps, "
-                                  "checkpoint_steps", _DIST)
+                                  "checkpoint_steps", _OWN)
       for name, digest in OWN_SAMPLERS.items()),
     Patch("stable_audio_tools.sample_diffusion", f"{_MODULE}:sample_diffusion", _FIX,
           Fingerprints({"d628b9e652fa82fb": "stable-audio-tools 0.0.20 · PyPI stable-audio-tools 0.0.20"},
                        fixed_if=has_parameter("cache")),
           "stable_audio_tools", "sample_diffusion(cache=False): gradients through every sampler type; "
-                                "grad_steps, checkpoint_steps", _DIST),
+                                "grad_steps, checkpoint_steps", _UNIFIED),
     *k_diffusion_samplers("stable_audio_tools", "stable_audio_tools.inference.k_diffusion.sampling", VENDORED,
-                          _DIST, prefix="k_diffusion."),
+                          _UNIFIED, prefix="k_diffusion."),
 ]

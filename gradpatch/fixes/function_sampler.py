@@ -28,8 +28,12 @@ only the ``model`` wrapper is used.
 
 Nesting. A patched sampler called without ``cache=`` inside another patched sampler's ``cache=False``
 call (stable-audio-tools' ``sample_diffusion`` calling the vendored k-diffusion samplers) follows the
-outer call's options: gradients flow through both, and the inner sampler counts the steps (an outer
-``model`` wrapper passes evaluations the inner one already handles straight through).
+outer call's options: gradients flow through both, and the inner sampler counts the steps. The unit
+run under ``no_grad`` or checkpointed is then the inner sampler's ``model`` argument, whatever the outer
+call wrapped around the user's denoiser: for ``sample_diffusion``'s k-diffusion types that is
+``VDenoiser(model)``, so in the first N-K steps its skip term ``x * c_skip`` carries no gradient to the
+noise either (parameter gradients are unaffected). An outer ``model`` wrapper passes evaluations the
+inner one already handles straight through, also in a checkpoint recompute.
 
 Adaptive samplers (``sample_dpm_fast``, ``sample_dpm_adaptive``) take ``cache`` and
 ``checkpoint_steps``; their step count is decided as they go (``dpm_adaptive`` accepts or rejects
