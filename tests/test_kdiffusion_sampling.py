@@ -288,3 +288,57 @@ def test_grad_steps_refuses_to_guess_the_step():
             fixed(model, NOISE, SIGMAS, cache=False, grad_steps=1)
         assert fixed(model, NOISE, SIGMAS, cache=False, checkpoint_steps=True).grad_fn is not None
     assert trange.__module__.startswith("tqdm") and sampling.active_options() is None
+
+
+def test_changed_code_is_unknown_and_a_cache_flag_is_fixed_upstream():
+    import inspect as inspect_module
+
+    from gradpatch.fingerprint import fingerprint_source
+
+    recognise = known_patches()["k_diffusion.sample_euler"].recognise
+    source = inspect_module.getsource(kd).replace("x = x + d * dt", "x = x + d * dt * 1.0", 1)
+    assert fingerprint_source(source, ["sample_euler"]) not in recognise.known
+
+    def sample_euler(model, x, sigmas, extra_args=None, *, cache=True):
+        """Stands in for a release that takes ``cache`` itself."""
+
+    assert recognise.identify(kd, "sample_euler", sample_euler).verdict == "fixed"
+
+
+def test_a_concurrent_cache_true_call_is_unaffected():
+    """Thread A (``grad_steps``: the loop globals shadowed) pauses inside its loop while thread B samples
+    the same model with ``cache=True``: B gets upstream's output bit for bit, A the reference gradients."""
+    import threading
+
+    model = make().eval()
+    torch.manual_seed(5)
+    want_b = upstream("sample_dpmpp_2m")(model, NOISE, SIGMAS, disable=True)
+    per_step = calls_per_step("sample_dpmpp_2m")
+    want_a, _ = reference(model, "sample_dpmpp_2m", no_grad_calls=sum(per_step[:-1]))
+    inside, b_done, got = threading.Event(), threading.Event(), {}
+
+    def pausing(*args, **kwargs):
+        if not inside.is_set():
+            inside.set()
+            assert b_done.wait(60)
+        return model(*args, **kwargs)
+
+    def run_a():
+        got["a"] = grads(model, "sample_dpmpp_2m", denoiser=pausing, cache=False, grad_steps=1)
+
+    def run_b():
+        assert inside.wait(60)
+        assert kd.trange is not upstream_trange  # A's shadow is in place
+        torch.manual_seed(5)
+        got["b"] = kd.sample_dpmpp_2m(model, NOISE, SIGMAS, disable=True)
+        b_done.set()
+
+    upstream_trange = kd.trange
+    threads = [threading.Thread(target=run_a), threading.Thread(target=run_b)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert torch.equal(got["b"], want_b)
+    assert_grads_equal(got["a"], want_a)
+    assert kd.trange is upstream_trange
