@@ -28,7 +28,7 @@ with warnings.catch_warnings():
     K = pytest.importorskip("k_diffusion")
 
 import gradpatch  # noqa: E402
-from conftest import assert_grads_equal  # noqa: E402
+from conftest import assert_grads_equal, last_json, run_python  # noqa: E402
 from gradpatch.activation import known_patches  # noqa: E402
 from gradpatch.fingerprint import fingerprint_module  # noqa: E402
 from gradpatch.fixes import function_sampler, sampling  # noqa: E402
@@ -342,3 +342,27 @@ def test_a_concurrent_cache_true_call_is_unaffected():
     assert torch.equal(got["b"], want_b)
     assert_grads_equal(got["a"], want_a)
     assert kd.trange is upstream_trange
+
+
+@pytest.mark.slow
+def test_gradpatch_1_alone_patches_k_diffusion_on_import():
+    """A fresh interpreter with ``GRADPATCH=1`` and no call to gradpatch: the samplers are patched as
+    k-diffusion is imported, with no gradpatch warning."""
+    result = run_python("""
+        import json, warnings
+        warnings.simplefilter("ignore", UserWarning)  # pkg_resources, from clip-anytorch
+        import torch
+        import k_diffusion
+        from k_diffusion.sampling import sample_dpm_2, get_sigmas_karras
+        import gradpatch
+        torch.manual_seed(0)
+        model = k_diffusion.layers.Denoiser(torch.nn.Conv1d(2, 2, 3, padding=1))
+        model.inner_model.forward = lambda x, sigma: torch.nn.Conv1d.forward(model.inner_model, x)
+        out = sample_dpm_2(model, torch.randn(1, 2, 8), get_sigmas_karras(3, 0.1, 5.0), disable=True,
+                           cache=False, grad_steps=1)
+        out.sum().backward()
+        print(json.dumps([model.inner_model.weight.grad is not None,
+                          sorted({str(r.status) for r in gradpatch.report() if r.upstream == "k_diffusion"})]))
+    """, env={"GRADPATCH": "1"})
+    assert last_json(result) == [True, ["applied"]]
+    assert "gradpatch" not in result.stderr, result.stderr

@@ -219,6 +219,10 @@ def run(sampling):
     records = {r.patch: [str(r.status), r.variant, r.version] for r in gradpatch.report()
                if r.upstream == "stable_audio_tools"}
     checks = run_020(sampling) if version == "0.0.20" else run_019(sampling)
+    from stable_audio_tools.inference import generation  # binds the sampler by name at import
+    name = "sample_diffusion" if version == "0.0.20" else "sample"
+    checks["generation_calls_the_fix"] = getattr(generation, name) is getattr(sampling, name) and (
+        "gradpatch" in getattr(generation, name).__code__.co_filename)
     return dict(file=sampling.__file__, records=records, checks=checks)
 
 
@@ -261,6 +265,7 @@ def test_0_0_19_own_samplers(releases):
     assert records["stable_audio_tools.sample_diffusion"][0] == "skipped"  # >= 0.0.20 only
     for name in OWN_019:
         assert_checks(result["checks"][name])
+    assert result["checks"]["generation_calls_the_fix"]
 
 
 @pytest.mark.parametrize("sampler_type", ["euler", "rk4", "dpmpp", "pingpong", "v-ddim", "k-heun", "k-lms",
@@ -273,7 +278,15 @@ def test_0_0_20_sample_diffusion(releases, sampler_type):
 
 
 def test_0_0_20_records_and_the_silent_keyword(releases):
-    _, result = releases.result("0.0.20")
+    from gradpatch.activation import known_patches
+    from gradpatch.fingerprint import fingerprint_source
+
+    path, result = releases.result("0.0.20")
+    known = known_patches()["stable_audio_tools.sample_diffusion"].recognise.known
+    source = (path / "stable_audio_tools" / "inference" / "sampling.py").read_text(encoding="utf-8")
+    assert fingerprint_source(source, ["sample_diffusion"]) in known
+    changed = source.replace('"padding_mask": padding_mask,', '"padding_mask": None,', 1)
+    assert changed != source and fingerprint_source(changed, ["sample_diffusion"]) not in known  # would warn
     records = result["records"]
     for name in ["sample_diffusion"] + [f"k_diffusion.{n}" for n in VENDORED]:
         status, variant, version = records[f"stable_audio_tools.{name}"]
@@ -282,3 +295,4 @@ def test_0_0_20_records_and_the_silent_keyword(releases):
     for name in OWN_019:  # undecorated in 0.0.20: out of the declared range, no warning
         assert records[f"stable_audio_tools.{name}"][0] == "skipped"
     assert result["checks"]["upstream_passes_cache_to_the_model"]
+    assert result["checks"]["generation_calls_the_fix"]  # generate_diffusion_cond(..., cache=False) reaches it
