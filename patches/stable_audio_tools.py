@@ -60,5 +60,5 @@ PATCHES = [
           "stable_audio_tools", "sample_diffusion(cache=False): gradients through every sampler type; "
                                 "grad_steps, checkpoint_steps", _UNIFIED),
     *k_diffusion_samplers("stable_audio_tools", "stable_audio_tools.inference.k_diffusion.sampling", VENDORED,
-                          _UNIFIED, prefix="k_diffusion."),
+                          dict.fromkeys(VENDORED, _UNIFIED), prefix="k_diffusion."),
 ]

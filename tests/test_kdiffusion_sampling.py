@@ -14,6 +14,11 @@ tiny random convolutional network with dropout; no weights, no downloads. Every 
   (Heun, DPM-2, DPM-2 ancestral, DPM++ 2S ancestral and DPM++ SDE make two calls per step and one in the
   last, whose next sigma is 0; the others one), not from the fix's loop tracking. The total number of
   calls is checked against that count. The two adaptive samplers refuse ``grad_steps``.
+
+Slow: every PyPI release's samplers (0.0.3 to 0.1.1.post1, wheels) hash to catalogue entries whose
+labels span that release; 0.0.5, 0.0.7, 0.0.10 and 0.0.15, which carry every fingerprint 0.0.16 on
+does not, are installed ``--no-deps`` (with resize-right, which they import) and checked the same way in
+one background interpreter; ``GRADPATCH=1`` alone patches on import in a fresh interpreter.
 """
 from __future__ import annotations
 
@@ -28,7 +33,7 @@ with warnings.catch_warnings():
     K = pytest.importorskip("k_diffusion")
 
 import gradpatch  # noqa: E402
-from conftest import assert_grads_equal, last_json, run_python  # noqa: E402
+from conftest import BackgroundCheck, assert_grads_equal, last_json, pypi_release, pypi_wheels, run_python  # noqa: E402
 from gradpatch.activation import known_patches  # noqa: E402
 from gradpatch.fingerprint import fingerprint_module  # noqa: E402
 from gradpatch.fixes import function_sampler, sampling  # noqa: E402
@@ -151,7 +156,7 @@ def test_every_sampler_is_patched_and_reverted():
     for name in ALL:
         record = records[f"k_diffusion.{name}"]
         assert record.status == "applied" and record.version == "0.1.1.post1"
-        assert "k-diffusion 0.1.1" in record.variant
+        assert "–0.1.1.post1 · PyPI k-diffusion" in record.variant
         digest = fingerprint_module(kd, [name])
         assert known_patches()[f"k_diffusion.{name}"].recognise.known[digest] == record.variant
         patched = getattr(kd, name)
@@ -366,3 +371,148 @@ def test_gradpatch_1_alone_patches_k_diffusion_on_import():
     """, env={"GRADPATCH": "1"})
     assert last_json(result) == [True, ["applied"]]
     assert "gradpatch" not in result.stderr, result.stderr
+
+
+# --- older releases ------------------------------------------------------------------------------------
+
+PUBLISHED = ["0.0.3", "0.0.4", "0.0.5", "0.0.6", "0.0.7", "0.0.8", "0.0.9", "0.0.10", "0.0.11", "0.0.12",
+             "0.0.13", "0.0.14", "0.0.15", "0.0.16", "0.1.0", "0.1.1", "0.1.1.post1"]
+OLDER = ["0.0.5", "0.0.7", "0.0.10", "0.0.15"]  # together they carry every fingerprint 0.0.16+ does not
+
+
+@pytest.mark.slow
+def test_every_published_release_is_catalogued():
+    """Every ``sample_*`` of every PyPI release hashes to a known fingerprint whose label spans it."""
+    import ast
+    import zipfile
+
+    from gradpatch.fingerprint import fingerprint_source
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    wheels = pypi_wheels("k-diffusion", PUBLISHED)
+    if isinstance(wheels, str):
+        pytest.skip(wheels)
+    assert sorted(w.name.split("-")[1] for w in wheels) == sorted(PUBLISHED)
+    patches = known_patches()
+    for wheel in wheels:
+        version = Version(wheel.name.split("-")[1])
+        source = zipfile.ZipFile(wheel).read("k_diffusion/sampling.py").decode()
+        names = [n.name for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and n.name.startswith("sample_")]
+        assert names and set(names) <= set(ALL)
+        for name in names:
+            patch = patches[f"k_diffusion.{name}"]
+            label = patch.recognise.known[fingerprint_source(source, [name])]
+            low, _, high = label.split(" ")[1].partition("–")
+            assert Version(low) <= version <= Version(high or low), (version, name, label)
+            assert SpecifierSet(patch.requires.partition("k-diffusion")[2]).contains(version)  # in range
+
+
+CHECK = r"""
+import inspect, warnings
+warnings.simplefilter("ignore")
+import torch
+torch.set_num_threads(1)
+from release_check import main, switch_to
+
+TWO_CALLS = %(two_calls)r
+STEPS = 4
+NOISE = torch.randn(2, 2, 12, generator=torch.Generator().manual_seed(1))
+
+
+class Denoiser(torch.nn.Module):  # Karras preconditioning around two convolutions
+    def __init__(self):
+        super().__init__()
+        self.inp, self.emb = torch.nn.Conv1d(2, 16, 3, padding=1), torch.nn.Linear(1, 16)
+        self.out = torch.nn.Conv1d(16, 2, 3, padding=1)
+
+    def forward(self, x, sigma):
+        s = sigma.reshape(-1, 1, 1)
+        h = self.inp(x / (s ** 2 + 0.25).sqrt()) + self.emb(sigma.reshape(-1, 1).log())[..., None]
+        return x * 0.25 / (s ** 2 + 0.25) + self.out(torch.tanh(h)) * s * 0.5 / (s ** 2 + 0.25).sqrt()
+
+
+def load(root):
+    switch_to(root, "k_diffusion")
+    from k_diffusion import sampling
+    return sampling
+
+
+def run(kd):
+    torch.manual_seed(0)
+    model = Denoiser()
+    sigmas = kd.get_sigmas_karras(STEPS, 0.05, 5.0)
+    def call(fn, denoiser, x, name, **options):
+        if name == "sample_dpm_fast":
+            return fn(denoiser, x, 0.05, 5.0, 5, disable=True, **options)
+        if name == "sample_dpm_adaptive":
+            return fn(denoiser, x, 0.05, 5.0, rtol=0.1, atol=0.1, disable=True, **options)
+        return fn(denoiser, x, sigmas, disable=True, **options)
+    def grads(fn, name, denoiser=None, **options):
+        x = (NOISE * 5).requires_grad_(True)
+        torch.manual_seed(3)
+        out = call(fn, denoiser or model, x, name, **options)
+        if out.grad_fn is None:
+            return None
+        model.zero_grad()
+        (out * torch.linspace(-1, 2, out.shape[-1])).square().mean().backward()
+        return [p.grad.clone() for p in model.parameters()] + [x.grad.clone()]
+    def close(a, b):
+        return a is not None and b is not None and all(
+            bool(torch.isfinite(u).all()) and torch.allclose(u, v, rtol=1e-5, atol=1e-8) for u, v in zip(a, b))
+    results = {}
+    for name in [n for n in vars(kd) if n.startswith("sample_")]:
+        fn = getattr(kd, name)
+        if "gradpatch" not in fn.__code__.co_filename:
+            results[name] = {"patched": False}
+            continue
+        raw, calls = inspect.unwrap(fn), [0]
+        def counted_by(no_grad_calls):
+            calls[0] = 0
+            def counted(*args, **kwargs):
+                calls[0] += 1
+                with torch.set_grad_enabled(calls[0] > no_grad_calls):
+                    return model(*args, **kwargs)
+            return counted
+        result = {"patched": True}
+        torch.manual_seed(5)
+        want = call(fn.__wrapped__, model, NOISE * 5, name)
+        torch.manual_seed(5)
+        result["cache_true_equal"] = bool(torch.equal(call(fn, model, NOISE * 5, name), want)) and want.grad_fn is None
+        with torch.enable_grad():
+            reference = grads(raw, name, counted_by(0))
+        result["grads"] = close(grads(fn, name, cache=False), reference)
+        result["checkpoint"] = close(grads(fn, name, cache=False, checkpoint_steps=True), reference)
+        if name in ("sample_dpm_fast", "sample_dpm_adaptive"):
+            try:
+                call(fn, model, NOISE, name, cache=False, grad_steps=1)
+                result["refuses_grad_steps"] = False
+            except ValueError:
+                result["refuses_grad_steps"] = True
+        else:
+            per_step = [2] * (STEPS - 1) + [1] if name in TWO_CALLS else [1] * STEPS
+            with torch.enable_grad():
+                truncated = grads(raw, name, counted_by(sum(per_step[:-1])))
+            result["calls_per_step"] = calls[0] == sum(per_step)
+            result["grad_steps"] = close(grads(fn, name, cache=False, grad_steps=1), truncated)
+        results[name] = result
+    return results
+
+main("k_diffusion", load, run)
+""" % {"two_calls": sorted(TWO_CALLS)}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def older(request):  # autouse: the interpreter starts with the module and overlaps the fast tests
+    yield from BackgroundCheck.fixture(request, CHECK, {
+        version: (lambda v=version: pypi_release(f"k-diffusion=={v}", "resize-right==0.0.2")) for version in OLDER})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("version", OLDER)
+def test_older_release(version, older):
+    path, results = older.result(version)
+    for name, result in results.items():
+        assert result.pop("patched"), name
+        assert [key for key, ok in result.items() if not ok] == [], (version, name)
+    assert "sample_euler" in results and len(results) >= 8
