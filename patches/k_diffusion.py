@@ -13,9 +13,11 @@ the denoiser twice per step) and ``checkpoint_steps=True``. ``sample_dpm_fast`` 
 Recognition is by the fingerprint of each function: every PyPI release (0.0.3 to 0.1.1.post1; 0.0.16
 on share one set), and the copy stable-audio-tools 0.0.20 vendors as
 ``stable_audio_tools.inference.k_diffusion.sampling`` (9 of the 13 samplers, declared in
-``patches/stable_audio_tools.py``), which hashes as 0.1.1.post1. GitHub master has since changed
-several samplers (e.g. a ``decorate_sigma_hat`` parameter): those are unknown until fingerprinted. Importing ``k_diffusion``
-needs ``pkg_resources`` (its dependency clip-anytorch imports it): setuptools < 81.
+``patches/stable_audio_tools.py``), which hashes as 0.1.1.post1. GitHub trees with changed samplers
+(crowsonkb/k-diffusion@0c72379: a ``decorate_sigma_hat`` parameter on Euler, Heun and DPM-2) are
+unknown code until fingerprinted. ComfyUI's ``comfy.k_diffusion.sampling`` is a different copy, not
+installable to test against, and is not declared. Importing ``k_diffusion`` needs ``pkg_resources``
+(its dependency clip-anytorch imports it): setuptools < 81.
 """
 from __future__ import annotations
 
