@@ -8,7 +8,7 @@ evaluation recomputed in backward) and ``grad_steps=1`` (only the last step buil
 bytes are counted as in ``sampler_memory.py`` (peak of the unique storages autograd holds, parameters
 excluded; a checkpointed evaluation's own saves are recomputed, so not counted). Deterministic on CPU.
 
-    HF_HUB_OFFLINE=1 python benchmarks/ldm_sampler_memory.py [--steps 8 32] [--medium]
+    HF_HUB_OFFLINE=1 python benchmarks/ldm_sampler_memory.py [--steps 8 32] [--medium] [--repeats 3]
 
 Target: ``checkpoint_steps`` at the largest N saves >= 5x fewer bytes than plain (exit 1 if missed).
 """
@@ -50,7 +50,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, nargs="+", default=[8, 32])
     parser.add_argument("--medium", action="store_true", help="the ~20M-parameter UNet (AUDIOLDM_MEDIUM)")
-    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=1, help="timed runs per mode (memory is deterministic)")
+    parser.add_argument("--quick", action="store_true", help="accepted for make bench; one run per mode")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
