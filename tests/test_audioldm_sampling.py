@@ -353,3 +353,23 @@ def test_sampler_buffers_follow_the_model(model):
         sampler = DDIMSampler(model)
         sampler.make_schedule(STEPS, verbose=False)
     assert sampler.betas.device == sampler.alphas_cumprod.device == model.betas.device
+
+
+def test_catalogue_knows_the_git_variants():
+    """AudioLDM's unreleased git HEAD moved register_buffer to the model's device (fixed upstream);
+    tango's ddim_sampling only adds ``leave=False`` to tqdm (known). Rebuilt here from the 0.1.1 source."""
+    from audioldm.latent_diffusion import ddim
+    from gradpatch.activation import known_patches
+    from gradpatch.fingerprint import fingerprint_source
+
+    source = inspect.getsource(ddim)
+    head = source.replace('if attr.device != torch.device("cuda"):\n                attr = attr.to(torch.device("cuda"))',
+                          "if attr.device != self.model.device:\n                attr = attr.to(self.model.device)")
+    tango = source.replace('iterator = tqdm(time_range, desc="DDIM Sampler", total=total_steps)',
+                           'iterator = tqdm(time_range, desc="DDIM Sampler", total=total_steps, leave=False)')
+    assert head != source and tango != source
+    patches = known_patches()
+    assert fingerprint_source(head, ["DDIMSampler.register_buffer"]) in \
+        patches["audioldm.DDIMSampler.register_buffer"].recognise.fixed
+    assert "tango" in patches["audioldm.DDIMSampler.ddim_sampling"].recognise.known[
+        fingerprint_source(tango, ["DDIMSampler.ddim_sampling"])]
