@@ -70,6 +70,7 @@ _lock = threading.Lock()
 _sampling: dict[int, int] = {}
 _in_ema: dict[int, int] = {}
 
+
 def _active() -> SamplingRun | None:
     """The ``cache=False`` call of this family in progress in this context, if grad is on."""
     run = _run.get()
