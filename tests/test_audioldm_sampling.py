@@ -452,3 +452,43 @@ def test_pixel_space_ddpm_loop():
         assert "forward" not in vars(ddpm.model)
     assert calls[0] == 4
     assert_close_set(got, want)
+
+
+def test_a_concurrent_cache_true_call_is_unaffected(model):
+    """Thread A (cache=False, checkpoint_steps, grad_steps) holds its shadows on the model while thread
+    B samples the same model with cache=True: B gets upstream's output bit for bit, A the reference."""
+    import threading
+
+    cond = audioldm_cond(1)
+    torch.manual_seed(9)
+    want_b, _ = upstream_sampler(model, unwrapped=False).sample(**kwargs(cond))
+    want_a = reference_grads(model, cond, no_grad_calls=STEPS - 2)
+    inside, b_done, got = threading.Event(), threading.Event(), {}
+
+    def pause_a(module, args):
+        if threading.current_thread().name == "A" and not inside.is_set():
+            inside.set()
+            assert b_done.wait(60)
+
+    def run_a():
+        got["a"] = patched_grads(model, cond, grad_steps=2, checkpoint_steps=True)
+
+    def run_b():
+        assert inside.wait(60)
+        torch.manual_seed(9)  # the generator is global: A is paused, so B alone draws from it
+        got["b"], _ = DDIMSampler(model).sample(**kwargs(cond))
+        b_done.set()
+
+    handle = model.model.register_forward_pre_hook(pause_a)
+    try:
+        with gradpatch.applied("audioldm"):
+            threads = [threading.Thread(target=run_a, name="A"), threading.Thread(target=run_b, name="B")]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(120)
+    finally:
+        handle.remove()
+    assert torch.equal(got["b"], want_b) and got["b"].grad_fn is None
+    assert_close_set(got["a"], want_a)
+    assert not {"eval", "apply_model"} & vars(model).keys()
