@@ -19,9 +19,10 @@ Fingerprints were computed (``python -m gradpatch.fingerprint``) from PyPI audio
 commit of haoheliu/AudioLDM and declare-lab/tango touching these files (tango vendors the package three
 times: audioldm/, mustango/audioldm/, tango2/audioldm/). Unless noted, a method has one fingerprint
 everywhere: audioldm 0.1.1 = haoheliu/AudioLDM@67151c6 (2023-04-10, the last change to ldm.py and
-ddpm.py; earlier commits share the sampler hashes) = declare-lab/tango@ceb8bd5 (audioldm/), @bc247dd (mustango/), @6ec558c (tango2/). Tango's
-``ddim_sampling`` passes ``leave=False`` to tqdm (its own hash); AudioLDM's git HEAD (4054cb4,
-2025-06-25, unreleased) moved ``register_buffer`` to the model's device itself: "fixed upstream".
+ddpm.py; earlier commits share the sampler hashes) = declare-lab/tango@ceb8bd5 (audioldm/), @bc247dd
+(mustango/), @6ec558c (tango2/). Tango's ``ddim_sampling`` passes ``leave=False`` to tqdm (its own
+hash); AudioLDM's git HEAD (4054cb4, 2025-06-25, unreleased) moved ``register_buffer`` to the model's
+device itself: "fixed upstream".
 Tested against PyPI audioldm 0.1.1; tango's copies share every other hash and the unwrapping fix does
 not depend on the tqdm call.
 """
@@ -39,7 +40,8 @@ _DDIM = "audioldm.latent_diffusion.ddim:DDIMSampler"
 _DDPM = "audioldm.latent_diffusion.ddpm:DDPM"
 _LDM = "audioldm.ldm:LatentDiffusion"
 _PYPI = "audioldm 0.1.1 = haoheliu/AudioLDM@67151c6 = declare-lab/tango (3 copies)"
-_TANGO = "declare-lab/tango@ceb8bd5 audioldm/, @bc247dd mustango/audioldm/, @6ec558c tango2/audioldm/ (tqdm leave=False)"
+_TANGO = ("declare-lab/tango@ceb8bd5 audioldm/, @bc247dd mustango/audioldm/, @6ec558c tango2/audioldm/ "
+          "(tqdm leave=False)")
 
 PATCHES += ldm_sampling("audioldm", [
     (f"{_DDIM}.register_buffer", DEVICE, {"890b0198f7cc2775": _PYPI},

@@ -363,8 +363,10 @@ def test_catalogue_knows_the_git_variants():
     from gradpatch.fingerprint import fingerprint_source
 
     source = inspect.getsource(ddim)
-    head = source.replace('if attr.device != torch.device("cuda"):\n                attr = attr.to(torch.device("cuda"))',
-                          "if attr.device != self.model.device:\n                attr = attr.to(self.model.device)")
+    cuda = 'if attr.device != torch.device("cuda"):\n                attr = attr.to(torch.device("cuda"))'
+    head = source.replace(cuda,
+                          "if attr.device != self.model.device:\n"
+                          "                attr = attr.to(self.model.device)")
     tango = source.replace('iterator = tqdm(time_range, desc="DDIM Sampler", total=total_steps)',
                            'iterator = tqdm(time_range, desc="DDIM Sampler", total=total_steps, leave=False)')
     assert head != source and tango != source

@@ -213,7 +213,10 @@ def at_step(steps_left: Callable[[], int]) -> Iterator[None]:
         _steps_left.reset(token)
 
 
-def step_factory(steps_left: Callable[[inspect.BoundArguments], int] | None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+Factory = Callable[[Callable[..., Any]], Callable[..., Any]]
+
+
+def step_factory(steps_left: Callable[[inspect.BoundArguments], int] | None) -> Factory:
     """A fix factory for methods reached from an entry point: inside a ``cache=False`` call with grad
     on, the method runs its undecorated body (a method without ``@torch.no_grad()`` runs as it is) and,
     if ``steps_left`` is given, each call is one sampling step at the position ``steps_left(bound)``
