@@ -494,3 +494,24 @@ def test_a_concurrent_cache_true_call_is_unaffected(model):
     assert torch.equal(got["b"], want_b) and got["b"].grad_fn is None
     assert_close_set(got["a"], want_a)
     assert not {"eval", "apply_model"} & vars(model).keys()
+
+
+def test_a_decorated_method_no_patch_covers_is_named(model):
+    """Every decorated method of AudioLDM's classes is declared (no warning); a subclass's own one is
+    named once, at its class's first cache=False call."""
+    import warnings
+
+    class MySampler(DDIMSampler):
+        @torch.no_grad()
+        def my_helper(self):
+            return None
+
+    cond = audioldm_cond(1)
+    with gradpatch.applied("audioldm"), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        DDIMSampler(model).sample(**kwargs(cond, S=2), cache=False)
+        assert not [w for w in caught if "not patched" in str(w.message)]
+        MySampler(model).sample(**kwargs(cond, S=2), cache=False)
+        MySampler(model).sample(**kwargs(cond, S=2), cache=False)
+    named = [str(w.message) for w in caught if "not patched" in str(w.message)]
+    assert len(named) == 1 and "MySampler.my_helper" in named[0], named
