@@ -70,5 +70,5 @@ PATCHES += ldm_sampling("audioldm", [
         "faeeadfe78c3a0fe": "haoheliu/AudioLDM@c8244f6..aee27ee (2023-02-02..02-23)",
         "1a06a0aea99afeb5": "haoheliu/AudioLDM@e7665a0..73f1e9c (2023-01-30; saves files)"}),
     (f"{_LDM}.generate_sample_masked", REFUSE, {
-        "ed99071f34ec696f": "audioldm 0.1.1 = haoheliu/AudioLDM@89e38d8..4054cb4 (HEAD) = declare-lab/tango (3 copies)"}),
+        "ed99071f34ec696f": "audioldm 0.1.1 = haoheliu/AudioLDM@89e38d8..4054cb4 = declare-lab/tango (3 copies)"}),
 ], requires="audioldm<1")
