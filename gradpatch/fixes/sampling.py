@@ -39,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import os
 import sys
 import threading
 from contextvars import ContextVar
@@ -117,6 +118,15 @@ def active_options() -> SamplingOptions | None:
 # same model with cache=True at the same time still gets the real eval(), cache and clear_cache().
 _lock = threading.Lock()
 _shadows: dict[tuple[int, str], list[Any]] = {}  # key -> [users, had_own, own_value, installed]
+
+
+def _reset_lock_in_child() -> None:  # a fork while another thread held it must not deadlock the child
+    global _lock
+    _lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_lock_in_child)
 
 
 @contextlib.contextmanager
