@@ -107,7 +107,7 @@ def _print_status(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    command = [part for part in args.command if part != "--"] if args.command[:1] == ["--"] else args.command
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command  # only the separator goes
     if not command:
         print("gradpatch run: give a command to run, e.g. `gradpatch run -- python train.py`", file=sys.stderr)
         return 2

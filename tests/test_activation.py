@@ -114,6 +114,13 @@ def test_gradpatch_run_execs_with_the_environment(fake_upstream):
     assert result.stdout.split() == ["102", "never"], result.stderr
 
 
+def test_gradpatch_run_keeps_the_commands_own_double_dashes():
+    result = subprocess.run([sys.executable, "-m", "gradpatch", "run", "--", sys.executable, "-c",
+                             "import json, sys; print(json.dumps(sys.argv[1:]))", "--", "a", "--"],
+                            capture_output=True, text=True)
+    assert last_json(result) == ["--", "a", "--"]
+
+
 def test_gradpatch_run_reports_a_missing_command():
     result = subprocess.run([sys.executable, "-m", "gradpatch", "run", "--", "no-such-command-xyz"],
                             capture_output=True, text=True)
