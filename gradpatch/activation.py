@@ -160,8 +160,8 @@ def _start(patch: Patch) -> None:
     module = sys.modules.get(patch.module)
     if module is not None and _initialised(patch.module) is None:
         # Its body is running right now (in another thread, or further up this thread's stack).
-        if when_initialised(module, _on_import_finished):
-            _record(patch, Status.DEFERRED, f"waiting for the import of {patch.module} in progress to finish")
+        _record(patch, Status.DEFERRED, f"waiting for the import of {patch.module} in progress to finish")
+        if when_initialised(module, _on_import_finished):  # may call back at once: recorded first
             return
         module = _initialised(patch.module)
         if module is None:

@@ -249,9 +249,7 @@ def when_initialised(module: ModuleType, callback: Callable[[ModuleType], None])
         return False
     vars(spec).setdefault("_gradpatch_callbacks", []).append(callback)  # before the swap: see below
     base = type(spec)
-    if getattr(base, "_gradpatch_base", None) is not None:
-        base = base._gradpatch_base  # already watched: one more callback
-    else:
+    if getattr(base, "_gradpatch_base", None) is None:  # else already watched: one more callback
         watching = _swapped.get(base)
         if watching is None:
             watching = _swapped[base] = type(base.__name__, (base,), {
