@@ -18,6 +18,7 @@ import os
 import sys
 from typing import Sequence
 
+from gradpatch import _OFF
 from gradpatch.fingerprint import Fingerprints, fingerprint_source
 from gradpatch.registry import Patch
 
@@ -114,7 +115,7 @@ def _run(args: argparse.Namespace) -> int:
     env = dict(os.environ)
     if args.patches:
         env["GRADPATCH"] = ",".join(args.patches)
-    elif env.get("GRADPATCH", "").strip() in ("", "0"):
+    elif env.get("GRADPATCH", "").strip().lower() in _OFF:
         env["GRADPATCH"] = "1"
     if args.exclude:
         env["GRADPATCH_EXCLUDE"] = ",".join(args.exclude)

@@ -114,6 +114,13 @@ def test_gradpatch_run_execs_with_the_environment(fake_upstream):
     assert result.stdout.split() == ["102", "never"], result.stderr
 
 
+def test_gradpatch_run_activates_over_an_off_value(fake_upstream):
+    result = subprocess.run([sys.executable, "-m", "gradpatch", "run", "--", sys.executable, "-c",
+                             "import fakeup; print(fakeup.checkpoint(1))"], capture_output=True, text=True,
+                            env={"PYTHONPATH": f"{fake_upstream}:{ROOT}", "GRADPATCH": "off", "PATH": ""})
+    assert result.stdout.split() == ["102"], result.stderr
+
+
 def test_gradpatch_run_keeps_the_commands_own_double_dashes():
     result = subprocess.run([sys.executable, "-m", "gradpatch", "run", "--", sys.executable, "-c",
                              "import json, sys; print(json.dumps(sys.argv[1:]))", "--", "a", "--"],
