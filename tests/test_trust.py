@@ -5,8 +5,6 @@ Each scenario runs in a fresh interpreter on the fake targets of ``conftest.fake
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 
@@ -171,7 +169,7 @@ def test_concurrent_scoped_blocks_keep_their_own_settings(fake_upstream):
     """Eight threads enter and leave applied(checkpoint=...) / checkpoint_policy_scope blocks in
     interleaved order: each sees its own policy inside, and the process-wide one is intact after."""
     out = _run(fake_upstream, """
-import random, threading
+import threading
 from gradpatch import settings
 policies = ["never", "always"] * 4
 barrier = threading.Barrier(8)
@@ -185,7 +183,6 @@ def work(i):
             with scope:
                 barrier.wait()
                 seen.append(settings.checkpoint_policy == policy)
-                strict_inside = settings.strict
             barrier.wait()
     except Exception as exc:
         errors.append(repr(exc))
