@@ -79,18 +79,57 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_EXPORTS))
 
 
+#: The values of ``GRADPATCH`` (stripped, any case) that mean off, everywhere: the variable parser,
+#: the start-up entry and this module's check. ``startup/gradpatch.pth`` spells the same tuple out so
+#: that it imports nothing when gradpatch is off (a test checks that they agree).
+_OFF = ("", "0", "false", "no", "off")
+
+
+def _enabled() -> bool:
+    return os.environ.get("GRADPATCH", "").strip().lower() not in _OFF
+
+
+def _imported_by_site() -> bool:
+    """Whether site.py (a .pth line, or a ``.start`` entry on 3.15+) is importing gradpatch right now."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_globals.get("__name__") == "site":
+            return True
+        frame = frame.f_back
+    return False
+
+
 def _warn_if_startup_file_missing() -> None:
-    if os.environ.get("GRADPATCH", "").strip() in ("", "0"):
+    """Warn when ``GRADPATCH`` asks for patches but gradpatch's startup file did not run in this
+    interpreter, so nothing was patched at start-up; say why."""
+    if not _enabled() or _imported_by_site():  # from site: the startup file runs right after this
         return
-    if not sys.flags.no_site and any(os.path.isfile(os.path.join(entry, "gradpatch.pth"))
-                                     for entry in sys.path if entry):
+    startup = sys.modules.get("gradpatch._startup")
+    if startup is not None and getattr(startup, "_done", False):
         return
+    if sys.flags.no_site:
+        why = "this interpreter was started with -S (no site), so no startup file runs"
+    else:
+        import site
+
+        found = [entry for entry in sys.path if entry and os.path.isfile(os.path.join(entry, "gradpatch.pth"))]
+        site_dirs = {os.path.normcase(os.path.abspath(d)) for d in
+                     [*getattr(site, "getsitepackages", list)(), getattr(site, "USER_SITE", None) or ""] if d}
+        outside = [entry for entry in found if os.path.normcase(os.path.abspath(entry)) not in site_dirs]
+        if outside:
+            why = (f"its startup file is in {outside[0]}, which is not a site directory (pip install "
+                   "--target, used through PYTHONPATH): Python reads .pth files only in site-packages. "
+                   "Install gradpatch into the environment with pip, or call site.addsitedir() on that "
+                   "folder in a sitecustomize module")
+        elif found:
+            why = "GRADPATCH was set after this interpreter had started, when its startup file had already run"
+        else:
+            why = "gradpatch's startup file (gradpatch.pth) is not installed in this environment; reinstall gradpatch with pip"
     from gradpatch.errors import StartupWarning, complain
 
-    complain(StartupWarning, "gradpatch: GRADPATCH is set but gradpatch's startup file (gradpatch.pth) "
-             "is not installed in this environment, so new Python processes are not patched "
-             "automatically. Reinstall gradpatch with pip, or call gradpatch.apply() / "
-             "`import gradpatch.auto` in your program.")
+    complain(StartupWarning, f"gradpatch: GRADPATCH is set but nothing was patched at start-up: {why}. "
+             "Python processes started from here are not patched either; in this one, call "
+             "gradpatch.apply() or `import gradpatch.auto`.")
 
 
 _warn_if_startup_file_missing()

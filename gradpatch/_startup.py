@@ -1,7 +1,9 @@
 """Run at interpreter start by ``gradpatch.pth`` (or, on Python 3.15+, ``gradpatch.start``).
 
-``main`` returns at once unless ``GRADPATCH`` is set, and never stops the interpreter from starting:
-every error becomes a warning, except in strict mode, where the process exits with the message.
+``main`` returns at once unless ``GRADPATCH`` is set to something other than an off value, and never
+stops the interpreter from starting: every problem becomes a warning (shown, never raised, even under
+``-W error``: a bad value must not leave the program running unpatched with a traceback from site.py),
+except in strict mode, where the process exits with the message.
 """
 import os
 
@@ -10,26 +12,30 @@ _done = False
 
 def main() -> None:
     global _done
-    if _done or os.environ.get("GRADPATCH", "").strip() in ("", "0"):
+    from gradpatch import _enabled
+
+    if _done or not _enabled():
         return
     _done = True  # the .pth line and a .start entry may both call this
-    from gradpatch import settings
+    import warnings
 
-    try:
-        from gradpatch.activation import activate_from_env
+    from gradpatch import environment
+    from gradpatch.errors import GradpatchWarning, StartupWarning
 
-        activate_from_env()
-    except Exception as exc:
-        if settings.strict:
-            # site.py would print this as "Error processing line 1" and run the program anyway;
-            # strict mode means the program must not run unpatched.
-            import sys
+    with warnings.catch_warnings():
+        if any(action == "error" for action, *_ in warnings.filters):
+            warnings.filterwarnings("default", category=GradpatchWarning)
+        try:
+            from gradpatch.activation import activate_from_env
 
-            sys.stderr.write(f"gradpatch (GRADPATCH_STRICT=1): {exc}; not starting\n")
-            sys.stderr.flush()
-            os._exit(1)
-        import warnings
+            activate_from_env()
+        except Exception as exc:
+            if environment.read().strict:
+                # site.py would print this as "Error processing line 1" and run the program anyway;
+                # strict mode means the program must not run unpatched.
+                import sys
 
-        from gradpatch.errors import StartupWarning
-
-        warnings.warn(f"gradpatch: start-up activation failed: {exc!r}", StartupWarning, stacklevel=2)
+                sys.stderr.write(f"gradpatch (GRADPATCH_STRICT=1): {exc}; not starting\n")
+                sys.stderr.flush()
+                os._exit(1)
+            warnings.warn(f"gradpatch: start-up activation failed: {exc!r}", StartupWarning, stacklevel=2)

@@ -18,6 +18,7 @@ import os
 import sys
 from typing import Sequence
 
+from gradpatch import _OFF
 from gradpatch.fingerprint import Fingerprints, fingerprint_source
 from gradpatch.registry import Patch
 
@@ -107,14 +108,14 @@ def _print_status(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    command = [part for part in args.command if part != "--"] if args.command[:1] == ["--"] else args.command
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command  # only the separator goes
     if not command:
         print("gradpatch run: give a command to run, e.g. `gradpatch run -- python train.py`", file=sys.stderr)
         return 2
     env = dict(os.environ)
     if args.patches:
         env["GRADPATCH"] = ",".join(args.patches)
-    elif env.get("GRADPATCH", "").strip() in ("", "0"):
+    elif env.get("GRADPATCH", "").strip().lower() in _OFF:
         env["GRADPATCH"] = "1"
     if args.exclude:
         env["GRADPATCH_EXCLUDE"] = ",".join(args.exclude)

@@ -52,8 +52,23 @@ class Diagnosis:
         return "gradpatch doctor:\n" + "\n".join(map(str, self.findings))
 
 
-def _broken_checkpoint(module_class: type) -> str | None:
-    """Why the ``checkpoint`` this class's module calls is broken, if it is."""
+def _remedy(module_name: str) -> str:
+    """What to do about a broken checkpoint that ``module_name`` calls."""
+    patch = next((p for p in activation.known_patches().values()
+                  if p.module == module_name and p.qualname == "checkpoint"), None)
+    if patch is None:
+        return (f"{module_name} is not code gradpatch patches: pass use_reentrant=False to "
+                "torch.utils.checkpoint.checkpoint there, or bind "
+                "gradpatch.fixes.checkpoint.non_reentrant(torch.utils.checkpoint.checkpoint) in its place")
+    record = next((r for r in activation.report() if r.patch == patch.name), None)
+    if record is not None and patch.name in activation._wanted:
+        return (f"gradpatch's {patch.name!r} is active here but not in effect ({record.status.value}: "
+                f"{record.reason}); see gradpatch.report()")
+    return _REMEDY
+
+
+def _broken_checkpoint(module_class: type) -> tuple[str, str] | None:
+    """Why the ``checkpoint`` this class's module calls is broken, if it is, and what to do."""
     forward = getattr(module_class, "forward", None)
     if "checkpoint" not in getattr(getattr(forward, "__code__", None), "co_names", ()):
         return None  # only blocks whose forward itself calls `checkpoint` are checkpointed
@@ -62,8 +77,9 @@ def _broken_checkpoint(module_class: type) -> str | None:
     if bound is None:
         return None
     if bound is torch.utils.checkpoint.checkpoint:
-        return (f"{module_class.__name__} calls torch.utils.checkpoint.checkpoint with the reentrant "
-                "default, which gives parameters no gradient when no input requires grad")
+        return (f"{module_class.__name__} calls torch.utils.checkpoint.checkpoint; reentrant (its default, or "
+                "use_reentrant=True), it gives parameters no gradient when no input requires grad",
+                _remedy(module_class.__module__))
     for patch in activation.known_patches().values():
         if patch.qualname != "checkpoint" or getattr(bound, "__module__", None) != patch.module:
             continue
@@ -73,7 +89,7 @@ def _broken_checkpoint(module_class: type) -> str | None:
         if patch.recognise.identify(target, "checkpoint", bound).verdict == "known":
             return (f"{module_class.__name__} is checkpointed by {patch.module}.checkpoint, the unpatched "
                     "OpenAI/CompVis CheckpointFunction, which cannot differentiate with respect to frozen "
-                    "parameters, replays no dropout RNG and drops second-order terms")
+                    "parameters, replays no dropout RNG and drops second-order terms", _remedy(patch.module))
     return None
 
 
@@ -121,25 +137,28 @@ def explain_grads(model: torch.nn.Module, error: BaseException | None = None) ->
         for block in _modules_in_traceback(error):
             if block in paths:
                 frozen = tuple(f"{paths[block]}.{n}".lstrip(".") for n, p in block.named_parameters() if not p.requires_grad)
-                cause = _broken_checkpoint(type(block)) or "its upstream CheckpointFunction raised in backward"
-                diagnosis.findings.append(Finding(f"{paths[block]} ({type(block).__name__})", frozen, cause, _REMEDY))
+                cause, remedy = _broken_checkpoint(type(block)) or ("its upstream CheckpointFunction raised in "
+                                                                    "backward", _REMEDY)
+                diagnosis.findings.append(Finding(f"{paths[block]} ({type(block).__name__})", frozen, cause, remedy))
         return diagnosis
     explained: set[str] = set()
     for path, module in model.named_modules():
-        cause = _broken_checkpoint(type(module))
-        if cause is None:
+        broken = _broken_checkpoint(type(module))
+        if broken is None:
             continue
+        cause, remedy = broken
         names = tuple(f"{path}.{n}".lstrip(".") for n, p in module.named_parameters() if _missing(p))
         names = tuple(n for n in names if n not in explained)
         if names:
             explained.update(names)
-            diagnosis.findings.append(Finding(f"{path} ({type(module).__name__})", names, cause, _REMEDY))
+            diagnosis.findings.append(Finding(f"{path} ({type(module).__name__})", names, cause, remedy))
     unreached = tuple(n for n, p in model.named_parameters() if _missing(p) and n not in explained)
     if unreached:
         sampler = _no_grad_sampler(model)
         cause = sampler or ("the loss does not depend on them (a detach(), a no_grad region, an unused "
                             "branch), or their gradient is exactly zero")
-        remedy = _REMEDY if sampler else "check the forward path from these parameters to the loss"
+        remedy = (_REMEDY + ", and call it with cache=False") if sampler else \
+            "check the forward path from these parameters to the loss"
         diagnosis.findings.append(Finding("", unreached, cause, remedy))
     return diagnosis
 
@@ -172,10 +191,18 @@ def grad_doctor(*models: torch.nn.Module, file=None) -> Iterator[Diagnosis]:
 def run_script(path: str, argv: list[str]) -> None:
     """Run a Python script, diagnosing every model it trains after each backward (``gradpatch doctor``).
 
-    The models are found as the outermost modules called before a backward; findings are printed once.
+    The script runs as ``python path ARGS`` would run it: as ``__main__``, with ``sys.argv`` set and its
+    folder first on ``sys.path`` (so it imports its sibling modules). A missing file exits with status 2
+    and a message. The models are found as the outermost modules called before a backward; findings
+    are printed once.
     """
+    import os
     import runpy
     import weakref
+
+    if not os.path.isfile(path):
+        print(f"gradpatch doctor: cannot run {path!r}: no such file", file=sys.stderr)
+        raise SystemExit(2)
 
     roots: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
     depth = [0]
@@ -213,9 +240,13 @@ def run_script(path: str, argv: list[str]) -> None:
     # Tensor.backward calls torch.autograd.backward through the module attribute.
     torch.autograd.backward = backward
     sys.argv = [path, *argv]
+    folder = os.path.dirname(os.path.abspath(path))
+    sys.path.insert(0, folder)
     try:
         runpy.run_path(path, run_name="__main__")
     finally:
+        if folder in sys.path:
+            sys.path.remove(folder)
         torch.autograd.backward = original_backward
         for handle in handles:
             handle.remove()

@@ -1,11 +1,16 @@
-"""The ``GRADPATCH*`` environment variables, parsed once per call with one clear warning per bad value.
+"""The ``GRADPATCH*`` environment variables, parsed once per call.
 
-``GRADPATCH``            unset, empty or ``0``: nothing happens. ``1``/``all``: every patch. Otherwise a
-                         comma-separated list of patch or upstream names (``audioldm,f5_tts``).
+``GRADPATCH``            unset, empty, ``0``, ``false``, ``no`` or ``off`` (any case): nothing happens.
+                         ``1``/``all``/``true``/``yes``/``on``: every patch. Otherwise a comma-separated
+                         list of patch or upstream names (``audioldm,f5_tts``).
 ``GRADPATCH_EXCLUDE``    comma-separated names to leave out.
 ``GRADPATCH_STRICT``     ``1``: raise instead of warning.
 ``GRADPATCH_CHECKPOINT`` ``respect`` (default), ``always`` or ``never``.
 ``GRADPATCH_LOG``        a :mod:`logging` level name or number for the ``gradpatch`` logger.
+
+:func:`read` never warns and never raises: a bad value is ignored and described in
+``Environment.problems``, which the caller reports once it knows whether it is strict (so
+``GRADPATCH_STRICT=1`` makes every bad value an error).
 """
 from __future__ import annotations
 
@@ -13,10 +18,8 @@ import logging
 import os
 from typing import NamedTuple
 
-from gradpatch import settings
-from gradpatch.errors import ConfigWarning, complain
+from gradpatch import _OFF, settings
 
-_OFF = {"", "0", "false", "no", "off"}
 _ALL = {"1", "all", "true", "yes", "on"}
 
 
@@ -27,45 +30,47 @@ class Environment(NamedTuple):
     strict: bool
     checkpoint: str | None
     log_level: int | None
+    problems: tuple[str, ...] = ()  # one message per bad value, which was ignored
 
 
 def _names(value: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in value.split(",") if part.strip())
 
 
-def _flag(variable: str) -> bool:
+def _flag(variable: str, problems: list[str]) -> bool:
     value = os.environ.get(variable, "").strip().lower()
     if value in _OFF:
         return False
     if value in _ALL:
         return True
-    complain(ConfigWarning, f"gradpatch: {variable}={os.environ[variable]!r} is not a boolean; "
-             f"use 1 or 0 (treating it as 0)")
+    problems.append(f"gradpatch: {variable}={os.environ[variable]!r} is not a boolean; use 1 or 0 (treating it as 0)")
     return False
 
 
 def read() -> Environment:
+    problems: list[str] = []
     raw = os.environ.get("GRADPATCH", "").strip()
     enabled = raw.lower() not in _OFF
     names = () if raw.lower() in _ALL or not enabled else _names(raw)
     checkpoint = os.environ.get("GRADPATCH_CHECKPOINT", "").strip().lower() or None
     if checkpoint is not None and checkpoint not in settings.CHECKPOINT_POLICIES:
-        complain(ConfigWarning, f"gradpatch: GRADPATCH_CHECKPOINT={checkpoint!r} is not one of "
-                 f"{', '.join(settings.CHECKPOINT_POLICIES)}; using 'respect'")
+        problems.append(f"gradpatch: GRADPATCH_CHECKPOINT={checkpoint!r} is not one of "
+                        f"{', '.join(settings.CHECKPOINT_POLICIES)}; using 'respect'")
         checkpoint = None
-    return Environment(enabled, names, _names(os.environ.get("GRADPATCH_EXCLUDE", "")),
-                       _flag("GRADPATCH_STRICT"), checkpoint, _log_level())
+    strict = _flag("GRADPATCH_STRICT", problems)
+    return Environment(enabled, names, _names(os.environ.get("GRADPATCH_EXCLUDE", "")), strict, checkpoint,
+                       _log_level(problems), tuple(problems))
 
 
-def _log_level() -> int | None:
+def _log_level(problems: list[str]) -> int | None:
     value = os.environ.get("GRADPATCH_LOG", "").strip()
     if not value:
         return None
-    if value.isdigit():
+    if value.isascii() and value.isdigit():  # '²'.isdigit() is true too, and int() rejects it
         return int(value)
     level = logging.getLevelName(value.upper())
     if isinstance(level, int):
         return level
-    complain(ConfigWarning, f"gradpatch: GRADPATCH_LOG={value!r} is not a logging level; "
-             "use debug, info, warning or error")
+    problems.append(f"gradpatch: GRADPATCH_LOG={value!r} is not a logging level; "
+                    "use debug, info, warning or error")
     return None

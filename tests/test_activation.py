@@ -114,6 +114,20 @@ def test_gradpatch_run_execs_with_the_environment(fake_upstream):
     assert result.stdout.split() == ["102", "never"], result.stderr
 
 
+def test_gradpatch_run_activates_over_an_off_value(fake_upstream):
+    result = subprocess.run([sys.executable, "-m", "gradpatch", "run", "--", sys.executable, "-c",
+                             "import fakeup; print(fakeup.checkpoint(1))"], capture_output=True, text=True,
+                            env={"PYTHONPATH": f"{fake_upstream}:{ROOT}", "GRADPATCH": "off", "PATH": ""})
+    assert result.stdout.split() == ["102"], result.stderr
+
+
+def test_gradpatch_run_keeps_the_commands_own_double_dashes():
+    result = subprocess.run([sys.executable, "-m", "gradpatch", "run", "--", sys.executable, "-c",
+                             "import json, sys; print(json.dumps(sys.argv[1:]))", "--", "a", "--"],
+                            capture_output=True, text=True)
+    assert last_json(result) == ["--", "a", "--"]
+
+
 def test_gradpatch_run_reports_a_missing_command():
     result = subprocess.run([sys.executable, "-m", "gradpatch", "run", "--", "no-such-command-xyz"],
                             capture_output=True, text=True)
@@ -142,12 +156,65 @@ print(json.dumps(sorted(set(sys.modules) - before)))
     assert last_json(result) == []  # nothing imported: the line only reads one variable
 
 
-def test_missing_startup_file_warns(tmp_path):
-    # A copy of the package without its startup file on the path, in an interpreter without site.
+@pytest.mark.parametrize("value, warned", [("1", True), ("audioldm", True), ("off", False), ("FALSE", False),
+                                           ("no", False), (" 0 ", False)])
+def test_missing_startup_file_warns_under_python_s(tmp_path, value, warned):
+    # The package on the path, in an interpreter without site: no startup file can have run.
     shutil.copytree(ROOT / "gradpatch", tmp_path / "gradpatch")
     result = subprocess.run([sys.executable, "-S", "-c", "import gradpatch"], cwd=tmp_path,
-                            capture_output=True, text=True, env={"GRADPATCH": "1", "PYTHONPATH": str(tmp_path)})
-    assert "StartupWarning" in result.stderr and "gradpatch.pth" in result.stderr
+                            capture_output=True, text=True, env={"GRADPATCH": value, "PYTHONPATH": str(tmp_path)})
+    if warned:
+        assert "StartupWarning" in result.stderr and "started with -S" in result.stderr, result.stderr
+    else:
+        assert result.stderr == "", "off values are off everywhere"
+
+
+def test_missing_startup_file_warns_for_an_install_outside_site_packages(tmp_path):
+    """`pip install --target DIR` + PYTHONPATH=DIR: gradpatch.pth lies in DIR, which Python does not
+    read .pth files from, so nothing is patched: the warning must say so."""
+    target = tmp_path / "target"
+    shutil.copytree(ROOT / "gradpatch", target / "gradpatch")
+    shutil.copy(ROOT / "startup" / "gradpatch.pth", target / "gradpatch.pth")
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "venv")], check=True)
+    result = subprocess.run([str(tmp_path / "venv" / "bin" / "python"), "-c", "import gradpatch"], cwd=tmp_path,
+                            capture_output=True, text=True, env={"GRADPATCH": "1", "PYTHONPATH": str(target)})
+    assert "StartupWarning" in result.stderr and "not a site directory" in result.stderr, result.stderr
+
+
+def test_no_startup_warning_when_the_startup_file_ran(fake_upstream):
+    result = run_python("import gradpatch, fakeup; print(fakeup.checkpoint(1))", env={"GRADPATCH": "fakeup"},
+                        pythonpath=[fake_upstream])
+    assert result.stdout.split() == ["102"] and result.stderr == ""
+
+
+def test_the_startup_line_and_the_package_agree_on_off():
+    import ast
+
+    import gradpatch
+
+    line = (ROOT / "startup" / "gradpatch.pth").read_text()
+    off = next(node for node in ast.walk(ast.parse(line)) if isinstance(node, ast.Tuple))
+    assert tuple(ast.literal_eval(off)) == gradpatch._OFF
+    for value in ["off", " No ", "FALSE"]:
+        result = run_python(f"""
+import json, os, sys
+os.environ["GRADPATCH"] = {value!r}
+before = set(sys.modules)
+exec({line!r})
+print(json.dumps(sorted(set(sys.modules) - before)))
+""")
+        assert last_json(result) == []
+
+
+@pytest.mark.parametrize("env", [{"GRADPATCH_LOG": "\u00b2"}, {"GRADPATCH_LOG": "loud", "PYTHONWARNINGS": "error"},
+                                 {"GRADPATCH_CHECKPOINT": "sometimes", "PYTHONWARNINGS": "error"},
+                                 {"GRADPATCH_STRICT": "maybe", "PYTHONWARNINGS": "error"}])
+def test_a_bad_value_never_stops_start_up_activation(fake_upstream, env):
+    result = run_python("import fakeup; print(fakeup.checkpoint(1))", env={"GRADPATCH": "fakeup", **env},
+                        pythonpath=[fake_upstream])
+    assert result.returncode == 0 and result.stdout.split() == ["102"], result.stderr
+    assert "ConfigWarning" in result.stderr and "Error processing line" not in result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
 
 
 def test_cli_list_and_status_without_torch():

@@ -102,3 +102,50 @@ out.pow(2).mean().backward()
                            text=True, env={**__import__("os").environ, "GRADPATCH": "audioldm"})
     assert fixed.returncode == 0, fixed.stderr
     assert "gradpatch doctor" not in fixed.stderr
+
+
+REENTRANT_SCRIPT = """
+import torch
+from torch.utils.checkpoint import checkpoint
+from helper import WIDTH  # a sibling module: the script's folder must be first on sys.path
+
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x):
+        return checkpoint(self.lin, x, use_reentrant=True)
+
+class Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block, self.head = Block(), torch.nn.Linear(WIDTH, 1)
+
+    def forward(self, x):
+        return self.head(self.block(x))
+
+model = Model()
+model(torch.randn(2, WIDTH)).sum().backward()
+"""
+
+
+@pytest.mark.parametrize("gradpatch_env", ["", "1"])
+def test_doctor_cli_imports_siblings_and_advises_non_reentrant_for_user_code(tmp_path, gradpatch_env):
+    (tmp_path / "project").mkdir()
+    (tmp_path / "project" / "helper.py").write_text("WIDTH = 4\n")
+    (tmp_path / "project" / "train.py").write_text(REENTRANT_SCRIPT)
+    env = {**__import__("os").environ, "GRADPATCH": gradpatch_env}
+    result = subprocess.run([sys.executable, "-W", "ignore", "-m", "gradpatch", "doctor", "project/train.py"],
+                            capture_output=True, text=True, cwd=tmp_path, env=env)
+    assert result.returncode == 0, result.stderr
+    assert "block (Block): block.lin.weight, block.lin.bias" in result.stderr
+    assert "use_reentrant=False" in result.stderr and "non_reentrant" in result.stderr
+    assert "GRADPATCH=1" not in result.stderr  # it cannot help: gradpatch does not patch user code
+
+
+def test_doctor_cli_reports_a_missing_script(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "gradpatch", "doctor", "no_such_script.py"],
+                            capture_output=True, text=True, cwd=tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "cannot run 'no_such_script.py': no such file" in result.stderr

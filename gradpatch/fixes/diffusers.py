@@ -50,7 +50,8 @@ from typing import Any, Callable, Iterator
 import torch
 
 from gradpatch.errors import RevertWarning, complain
-from gradpatch.fixes.sampling import SamplingOptions, active_options, differentiable, run_step, sampling_options
+from gradpatch.fixes.options import SamplingOptions, check_flag, check_keywords, sampling_options, swallowed_keywords
+from gradpatch.fixes.sampling import active_options, differentiable, run_step
 
 _NEW = ("cache", "grad_steps", "checkpoint_steps")
 _DENOISER = re.compile(r"(unet|transformer|prior|controlnet)(_\d+)?")
@@ -109,18 +110,21 @@ def _check_output_type(body: Callable[..., Any], pipe: object, args: tuple, kwar
 
 
 def _differentiable_call(original: Callable[..., Any], body: Callable[..., Any]) -> Callable[..., Any]:
+    accepted = swallowed_keywords(body)
+
     @functools.wraps(original)
     def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
         explicit = "cache" in kwargs
         cache = kwargs.pop("cache", True)
         grad_steps, checkpoint_steps = kwargs.pop("grad_steps", None), kwargs.pop("checkpoint_steps", False)
+        check_keywords(kwargs, accepted, f"{type(self).__name__}.__call__")
         outer = active_options()
         if not explicit and grad_steps is None and not checkpoint_steps and outer is not None and _inside.get():
             if _in_call(self):  # super().__call__ from a subclass's body: already set up
                 return body(self, *args, **kwargs)
             cache, options = False, outer  # a sub-pipeline of a cache=False call continues its graph
         else:
-            options = sampling_options(bool(cache), grad_steps, checkpoint_steps)
+            options = sampling_options(cache, grad_steps, checkpoint_steps)
         if cache:
             return original(self, *args, **kwargs)
         _check_output_type(body, self, args, kwargs)
@@ -132,14 +136,20 @@ def _differentiable_call(original: Callable[..., Any], body: Callable[..., Any])
 
 
 def _guarded_call(original: Callable[..., Any], reason: str) -> Callable[..., Any]:
+    accepted = swallowed_keywords(original)
+
     @functools.wraps(original)
     def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
         # Without this, ``**kwargs`` in many signatures would swallow cache=False silently.
+        for name in ("cache", "checkpoint_steps"):
+            if name in kwargs:
+                check_flag(name, kwargs[name])
         if kwargs.get("cache", True) is False or kwargs.get("grad_steps") is not None \
                 or kwargs.get("checkpoint_steps") or ("cache" not in kwargs and _inside.get()):
             raise NotDifferentiableError(f"{type(self).__name__} cannot run with cache=False: {reason}")
         for name in _NEW:
             kwargs.pop(name, None)
+        check_keywords(kwargs, accepted, f"{type(self).__name__}.__call__")
         return original(self, *args, **kwargs)
 
     return __call__

@@ -39,6 +39,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import operator
+import os
 import sys
 import threading
 from contextvars import ContextVar
@@ -48,23 +50,14 @@ from typing import Any, Callable, ContextManager, Iterator, TypeVar
 import torch
 import torch.utils.checkpoint
 
+from gradpatch.fixes.options import (OPTIONS, SamplingOptions, check_flag, check_keywords,  # noqa: F401
+                                     sampling_options, swallowed_keywords)
+
 T = TypeVar("T")
 
 FIXED_GRID_METHODS = frozenset({"euler", "midpoint", "rk4", "heun2", "heun3",
                                 "explicit_adams", "implicit_adams", "fixed_adams"})
 """torchdiffeq methods that take exactly one step per interval of the ``t`` they are given."""
-
-
-@dataclass(frozen=True)
-class SamplingOptions:
-    """The memory options of one ``cache=False`` call."""
-
-    grad_steps: int | None = None
-    checkpoint_steps: bool = False
-
-    def __post_init__(self) -> None:
-        if self.grad_steps is not None and (not isinstance(self.grad_steps, int) or self.grad_steps < 1):
-            raise ValueError(f"grad_steps must be a positive integer or None, not {self.grad_steps!r}")
 
 
 @dataclass
@@ -98,14 +91,6 @@ class SamplingRun:
 _current: ContextVar[SamplingRun | None] = ContextVar("gradpatch_sampling", default=None)
 
 
-def sampling_options(cache: bool, grad_steps: int | None, checkpoint_steps: bool) -> SamplingOptions:
-    """Validate the keywords a patched sampler received."""
-    if cache and (grad_steps is not None or checkpoint_steps):
-        raise ValueError("grad_steps and checkpoint_steps control the graph built with cache=False; "
-                         "with cache=True no graph is built. Pass cache=False as well.")
-    return SamplingOptions(grad_steps, bool(checkpoint_steps))
-
-
 def active_options() -> SamplingOptions | None:
     """The options of the ``cache=False`` call in progress in this context, if any."""
     run = _current.get()
@@ -117,6 +102,15 @@ def active_options() -> SamplingOptions | None:
 # same model with cache=True at the same time still gets the real eval(), cache and clear_cache().
 _lock = threading.Lock()
 _shadows: dict[tuple[int, str], list[Any]] = {}  # key -> [users, had_own, own_value, installed]
+
+
+def _reset_lock_in_child() -> None:  # a fork while another thread held it must not deadlock the child
+    global _lock
+    _lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_lock_in_child)
 
 
 @contextlib.contextmanager
@@ -293,17 +287,19 @@ def differentiable_sampler(original: Callable[..., T], *, denoiser: str = "trans
     """
     raw = inspect.unwrap(original)
     module = sys.modules.get(getattr(raw, "__module__", ""), None)
+    accepted = swallowed_keywords(original)
 
     @functools.wraps(original)
     def sample(self: Any, *args: Any, cache: bool = True, grad_steps: int | None = None,
                checkpoint_steps: bool = False, **kwargs: Any) -> T:
         options = sampling_options(cache, grad_steps, checkpoint_steps)
+        check_keywords(kwargs, accepted, f"{type(self).__name__}.sample")
         if cache:
             return original(self, *args, **kwargs)
         with contextlib.ExitStack() as stack:
             run = stack.enter_context(differentiable(self, options))
             stack.enter_context(text_cache_off(getattr(self, denoiser, None)))
-            if (grad_steps is not None or checkpoint_steps) and callable(getattr(module, solver, None)):
+            if (options.grad_steps is not None or checkpoint_steps) and callable(getattr(module, solver, None)):
                 stack.enter_context(_shadow(module, solver, stepped_odeint))
             out = raw(self, *args, **kwargs)
         if (grad_steps is not None or checkpoint_steps) and run.evaluations == 0:

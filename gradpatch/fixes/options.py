@@ -1,0 +1,89 @@
+"""The keywords every patched sampler takes, ``cache``, ``grad_steps``, ``checkpoint_steps``, and their
+validation: wrong types are a TypeError (``cache="False"`` is not read by truth value), and a keyword
+that a sampler's ``**kwargs`` would swallow but that looks like one of them (``grad_step=2``) is a
+warning, an error in strict mode.
+"""
+from __future__ import annotations
+
+import inspect
+import operator
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from gradpatch.errors import ConfigWarning, complain
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    """The memory options of one ``cache=False`` call. ``grad_steps`` is None or a positive integral
+    number: an ``int``, a NumPy integer or an integer tensor of one element (stored as ``int``); a
+    ``bool``, a float or a string is a TypeError."""
+
+    grad_steps: int | None = None
+    checkpoint_steps: bool = False
+
+    def __post_init__(self) -> None:
+        if self.grad_steps is None:
+            return
+        steps = self.grad_steps
+        try:  # int, numpy integers, 0-d integer tensors; not bool (True is no step count), floats, strings
+            if isinstance(steps, bool) or str(getattr(steps, "dtype", "")) == "torch.bool":
+                raise TypeError
+            steps = operator.index(steps)
+        except TypeError:
+            raise TypeError(f"grad_steps must be a positive integer or None, not {steps!r} "
+                            f"({type(steps).__name__})") from None
+        if steps < 1:
+            raise ValueError(f"grad_steps must be a positive integer or None, not {steps!r}")
+        object.__setattr__(self, "grad_steps", steps)
+
+
+OPTIONS = ("cache", "grad_steps", "checkpoint_steps")
+"""The keywords every patched sampler takes."""
+
+
+def check_flag(name: str, value: object) -> None:
+    """TypeError unless ``value`` is a boolean (``bool`` or ``numpy.bool_``): ``cache="False"`` or
+    ``cache=0`` would otherwise be read by truth value, silently choosing the other code path."""
+    if not (isinstance(value, bool) or type(value).__module__ == "numpy" and type(value).__name__ in ("bool_", "bool")):
+        raise TypeError(f"{name} must be True or False, not {value!r} ({type(value).__name__})")
+
+
+def sampling_options(cache: bool, grad_steps: int | None, checkpoint_steps: bool) -> SamplingOptions:
+    """Validate the keywords a patched sampler received: ``cache`` and ``checkpoint_steps`` booleans,
+    ``grad_steps`` None or a positive integral number (see :class:`SamplingOptions`)."""
+    check_flag("cache", cache)
+    check_flag("checkpoint_steps", checkpoint_steps)
+    if cache and (grad_steps is not None or checkpoint_steps):
+        raise ValueError("grad_steps and checkpoint_steps control the graph built with cache=False; "
+                         "with cache=True no graph is built. Pass cache=False as well.")
+    return SamplingOptions(grad_steps, bool(checkpoint_steps))
+
+
+def swallowed_keywords(function: Callable[..., Any]) -> frozenset[str] | None:
+    """The names ``function`` takes explicitly, if it also takes ``**kwargs`` (which would swallow a
+    misspelt option silently); None if it does not (a misspelt keyword is then a TypeError anyway)."""
+    try:
+        params = inspect.signature(function).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return None
+    return frozenset(p.name for p in params if p.kind is not inspect.Parameter.VAR_KEYWORD) | set(OPTIONS)
+
+
+def check_keywords(kwargs: dict[str, Any], accepted: frozenset[str] | None, where: str) -> None:
+    """Warn (raise in strict mode) for each keyword that ``accepted`` lacks and that looks like one
+    of :data:`OPTIONS` (``grad_step=2``, ``cach=False``): ``**kwargs`` would swallow it and the call
+    would run without the option (full memory, no truncation) and without an error."""
+    if accepted is None or not kwargs:
+        return
+    for key in kwargs:
+        if key in accepted:
+            continue
+        import difflib
+
+        close = difflib.get_close_matches(key.lower(), OPTIONS, n=1, cutoff=0.75)
+        if close:
+            complain(ConfigWarning, f"gradpatch: {where} got {key}=, which it does not take (its **kwargs "
+                     f"would ignore it); did you mean {close[0]}=?")
