@@ -204,7 +204,7 @@ def _initialised(name: str) -> ModuleType | None:
 
 
 def apply(*names: str, exclude: Iterable[str] | None = None, strict: bool | None = None,
-          checkpoint: str | None = None) -> Report:
+          checkpoint: str | None = None, scan: bool | None = None) -> Report:
     """Apply patches now and on every later import of their targets.
 
     ``names`` are patch names (``"audioldm.checkpoint"``) or upstream names (``"audioldm"``,
@@ -212,7 +212,8 @@ def apply(*names: str, exclude: Iterable[str] | None = None, strict: bool | None
     (default: ``GRADPATCH_EXCLUDE``). ``strict=True`` raises :class:`~gradpatch.GradpatchError` where
     gradpatch would otherwise warn (default: ``GRADPATCH_STRICT``). ``checkpoint`` sets the
     checkpoint policy, ``"respect"``, ``"always"`` or ``"never"`` (default: ``GRADPATCH_CHECKPOINT``).
-    Explicit arguments beat environment variables, which beat defaults.
+    ``scan`` finds copies of a selected family's code at any other path (see :mod:`gradpatch.scan`;
+    default: ``GRADPATCH_SCAN``, on). Explicit arguments beat environment variables, which beat defaults.
 
     Targets already imported are patched at once, and module globals still holding an original
     object are rebound (and reported); the others are patched the moment they are imported.
@@ -243,7 +244,25 @@ def apply(*names: str, exclude: Iterable[str] | None = None, strict: bool | None
                 watch(patch.module, _guarded_on_import)
             else:
                 _apply_now(patch, module, late=True)
-        return Report(_records[p.name] for p in selected + excluded if p.name in _records)
+        from gradpatch import scan as scanning
+
+        found = scanning.start(scan)
+        return Report([_records[p.name] for p in selected + excluded if p.name in _records] + found)
+
+
+def adopt(patches: Iterable[Patch], module: ModuleType, *, late: bool, fixes: frozenset[str]) -> list[Record]:
+    """Apply ``patches`` that :mod:`gradpatch.scan` built for a family copy found in ``module``, an
+    undeclared path, while a wanted patch uses one of the family's ``fixes``. They join this
+    process's catalogue, so report(), revert() and apply() treat them as declared patches."""
+    with _lock:
+        if not any(known_patches()[name].fix in fixes for name in _wanted):
+            return []
+        for patch in patches:
+            if patch.name not in known_patches():
+                known_patches()[patch.name] = patch
+                _wanted.add(patch.name)
+                _apply_now(patch, module, late=late)
+        return [_records[p.name] for p in patches if p.name in _records]
 
 
 def _guarded_on_import(module: ModuleType) -> None:
