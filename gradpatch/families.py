@@ -59,12 +59,15 @@ class AutogradFunctionShape(NamedTuple):
 class Member(NamedTuple):
     """One definition of a family: its ``name``, its ``shape``, and ``fix`` (``"module:factory"``,
     as in :class:`~gradpatch.registry.Patch`), or None for a definition that is hashed with the
-    others but never replaced (its callers are)."""
+    others but never replaced (its callers are). ``marks_copy``: a module defining this member
+    alone, in its shape, holds a copy (e.g. ``CheckpointFunction`` whose ``checkpoint`` was rebound);
+    otherwise a module holds one when it defines every member of a fingerprinted set."""
 
     name: str
     shape: FunctionShape | AutogradFunctionShape
     fix: str | None = None
     summary: str = ""
+    marks_copy: bool = False
 
 
 class Family(NamedTuple):
@@ -72,18 +75,23 @@ class Family(NamedTuple):
 
     ``fingerprints`` pairs each set of member names hashed together with the fingerprints of their
     known versions (fingerprint -> variant label); a module is identified by the largest set it
-    defines. ``rebinding`` says how callers are reached: every module global still holding a
-    replaced original is pointed at the fix (``from util import checkpoint`` copies the name).
+    defines. Callers are reached as for every patch: a module global still holding a replaced
+    original (``from util import checkpoint`` copied the name) is pointed at the fix.
     """
 
     name: str
     members: tuple[Member, ...]
     fingerprints: tuple[tuple[tuple[str, ...], Mapping[str, str]], ...]
-    rebinding: str = "module globals holding the original are rebound"
 
     @property
     def names(self) -> tuple[str, ...]:
         return tuple(member.name for member in self.members)
+
+    def is_copy(self, shaped: Sequence[str]) -> bool:
+        """Whether a module whose own definitions ``shaped`` have their members' shapes holds a
+        copy of the family (changed or not) rather than unrelated code sharing a name."""
+        return any(m.marks_copy and m.name in shaped for m in self.members) or any(
+            set(over) <= set(shaped) for over, _ in self.fingerprints)
 
     def fixes(self) -> frozenset[str]:
         return frozenset(member.fix for member in self.members if member.fix)

@@ -106,8 +106,9 @@ def _examine(module: ModuleType, namespace: dict, late: bool) -> list[Any]:
         return []
     records: list[Any] = []
     for family in _families:
-        own = [m for m in family.members if getattr(namespace.get(m.name), "__module__", None) == name]
-        if not any(member.shape.matches(namespace[member.name]) for member in own):
+        shaped = [m.name for m in family.members if getattr(namespace.get(m.name), "__module__", None) == name
+                  and m.shape.matches(namespace[m.name])]
+        if not family.is_copy(shaped):
             continue  # unrelated code that uses a member's name
         if any(patch.module == name for patch in activation.known_patches().values()):
             continue  # a declared path (or a copy found before): its own patches handle it

@@ -25,11 +25,12 @@ CHECKPOINT = Family(
         Member("checkpoint", FunctionShape(("func", "inputs", "params", "flag")),
                f"{_FIX}:replace_checkpoint", _SUMMARY),
         Member("CheckpointFunction", AutogradFunctionShape(("ctx", "run_function", "length")),
-               f"{_FIX}:replace_checkpoint_function", _SUMMARY),
+               f"{_FIX}:replace_checkpoint_function", _SUMMARY, marks_copy=True),
         Member("mixed_checkpoint", FunctionShape(("func", "inputs", "params", "flag")),
                f"{_FIX}:replace_mixed_checkpoint", "fixed mixed_checkpoint (dict inputs)"),
         Member("MixedCheckpointFunction", AutogradFunctionShape(
-            ("ctx", "run_function", "length_tensors", "length_non_tensors", "tensor_keys", "non_tensor_keys"))),
+            ("ctx", "run_function", "length_tensors", "length_non_tensors", "tensor_keys", "non_tensor_keys")),
+            marks_copy=True),
     ),
     fingerprints=(
         # Every version the catalogue's declared paths name (patches/*.py say where each came from).
