@@ -296,14 +296,14 @@ def revert(*names: str) -> Report:
 
 @contextlib.contextmanager
 def applied(*names: str, exclude: Iterable[str] | None = None, strict: bool | None = None,
-            checkpoint: str | None = None) -> Iterator[Report]:
+            checkpoint: str | None = None, scan: bool | None = None) -> Iterator[Report]:
     """Apply patches for the duration of a ``with`` block, then revert those this block applied
     (patches applied before it stay) and restore the checkpoint policy and strictness."""
     with _lock:
         before = set(_wanted)
     policy, was_strict = settings.checkpoint_policy, settings.strict
     try:
-        yield apply(*names, exclude=exclude, strict=strict, checkpoint=checkpoint)
+        yield apply(*names, exclude=exclude, strict=strict, checkpoint=checkpoint, scan=scan)
     finally:
         with _lock:
             mine = [name for name in _wanted if name not in before]
