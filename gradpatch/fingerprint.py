@@ -24,7 +24,7 @@ import sys
 from types import ModuleType
 from typing import Callable, Literal, Mapping, NamedTuple, Protocol, Sequence
 
-from gradpatch.definitions import import_aliases, lookup, parse_module, definition_of
+from gradpatch.definitions import definition_of, import_aliases, lookup, parse_module
 
 Verdict = Literal["known", "fixed", "unknown"]
 
