@@ -111,13 +111,16 @@ def forks(tmp_path_factory) -> Path:
 def test_copy_under_a_new_name_is_fixed_under_gradpatch_1(forks):
     out = last_json(run_python(STEP + '''
 import myfork.block
+import ldm.modules.diffusionmodules.util  # a declared path: its own patches, never the scan's
 patched = step(myfork.block)
 report = found("myfork.")
+declared = found("ldm.modules.diffusionmodules.util:")
 same = myfork.block.checkpoint is myfork.util.checkpoint
 gradpatch.revert()
-print(json.dumps([patched, report, same, myfork.util.checkpoint.__module__, step(myfork.block)]))
+print(json.dumps([patched, report, declared, same, myfork.util.checkpoint.__module__, step(myfork.block)]))
 ''', env={"GRADPATCH": "1"}, pythonpath=[forks]))
-    patched, report, same, reverted_module, upstream = out
+    patched, report, declared, same, reverted_module, upstream = out
+    assert [r[:2] for r in declared] == [["ldm.CheckpointFunction", "applied"], ["ldm.checkpoint", "applied"]]
     assert patched is True, "gradients through the found copy equal the block's body without checkpointing"
     assert [r[:2] for r in report] == [["myfork.util.CheckpointFunction", "applied"], ["myfork.util.checkpoint", "applied"]]
     assert all(r[2].startswith("copy found by scan") for r in report)
