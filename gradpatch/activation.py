@@ -177,7 +177,7 @@ def _start(patch: Patch) -> None:
 
 
 def apply(*names: str | Iterable[str], exclude: str | Iterable[str] | None = None, strict: bool | None = None,
-          checkpoint: str | None = None) -> Report:
+          checkpoint: str | None = None, scan: bool | None = None) -> Report:
     """Apply patches now and on every later import of their targets.
 
     ``names`` are patch names (``"audioldm.checkpoint"``) or upstream names (``"audioldm"``,
@@ -188,7 +188,8 @@ def apply(*names: str | Iterable[str], exclude: str | Iterable[str] | None = Non
     variables. ``checkpoint`` sets the process-wide checkpoint policy, ``"respect"``, ``"always"`` or
     ``"never"`` (default: ``GRADPATCH_CHECKPOINT``). Explicit arguments beat environment variables,
     which beat defaults. Strictness and policy are process-wide; if ``apply`` raises, strictness is
-    put back as it was.
+    put back as it was. ``scan`` finds copies of a selected family's code at any other path (see
+    :mod:`gradpatch.scan`; default: ``GRADPATCH_SCAN``, on).
 
     Targets already imported are patched at once, and module globals still holding an original
     object are rebound (and reported); the others are patched the moment they are imported, and
@@ -201,13 +202,13 @@ def apply(*names: str | Iterable[str], exclude: str | Iterable[str] | None = Non
         policy = checkpoint if checkpoint is not None else env.checkpoint
         if policy is not None:
             settings.set_checkpoint_policy(policy)
-        return _apply(names, exclude, env)
+        return _apply(names, exclude, env, scan)
     except BaseException:
         settings.set_strict(previous)
         raise
 
 
-def _apply(names: tuple, exclude: object, env: environment.Environment) -> Report:
+def _apply(names: tuple, exclude: object, env: environment.Environment, scan: bool | None) -> Report:
     for problem in env.problems:  # now that strictness is known
         complain(ConfigWarning, problem)
     source = "apply()"
@@ -224,7 +225,25 @@ def _apply(names: tuple, exclude: object, env: environment.Environment) -> Repor
         for patch in selected:
             if patch.name not in _wanted:
                 _start(patch)
-        return Report(_records[p.name] for p in selected + excluded if p.name in _records)
+        from gradpatch import scan as scanning
+
+        found = scanning.start(env.scan if scan is None else bool(scan))
+        return Report([_records[p.name] for p in selected + excluded if p.name in _records] + found)
+
+
+def adopt(patches: Iterable[Patch], module: ModuleType, *, late: bool, fixes: frozenset[str]) -> list[Record]:
+    """Apply ``patches`` that :mod:`gradpatch.scan` built for a family copy found in ``module``, an
+    undeclared path, while a wanted patch uses one of the family's ``fixes``. They join this
+    process's catalogue, so report(), revert() and apply() treat them as declared patches."""
+    with _lock:
+        if not any(known_patches()[name].fix in fixes for name in _wanted):
+            return []
+        for patch in patches:
+            if patch.name not in known_patches():
+                known_patches()[patch.name] = patch
+                _wanted.add(patch.name)
+                _apply_now(patch, module, late=late)
+        return [_records[p.name] for p in patches if p.name in _records]
 
 
 def revert(*names: str | Iterable[str]) -> Report:
@@ -251,7 +270,7 @@ def revert(*names: str | Iterable[str]) -> Report:
 
 @contextlib.contextmanager
 def applied(*names: str | Iterable[str], exclude: str | Iterable[str] | None = None, strict: bool | None = None,
-            checkpoint: str | None = None) -> Iterator[Report]:
+            checkpoint: str | None = None, scan: bool | None = None) -> Iterator[Report]:
     """Apply patches for the duration of a ``with`` block, then revert those this block applied
     (patches applied before it stay).
 
@@ -269,7 +288,7 @@ def applied(*names: str | Iterable[str], exclude: str | Iterable[str] | None = N
         before = set(_wanted)
     with settings.scope(**overrides):
         try:
-            yield _apply(names, exclude, env)
+            yield _apply(names, exclude, env, scan)
         finally:
             with _lock:
                 mine = [name for name in _wanted if name not in before]

@@ -7,6 +7,8 @@
 ``GRADPATCH_STRICT``     ``1``: raise instead of warning.
 ``GRADPATCH_CHECKPOINT`` ``respect`` (default), ``always`` or ``never``.
 ``GRADPATCH_LOG``        a :mod:`logging` level name or number for the ``gradpatch`` logger.
+``GRADPATCH_SCAN``       ``0`` (or another off value): do not look for copies of known-broken code at
+                         undeclared paths (:mod:`gradpatch.scan`); on by default.
 
 :func:`read` never warns and never raises: a bad value is ignored and described in
 ``Environment.problems``, which the caller reports once it knows whether it is strict (so
@@ -31,20 +33,24 @@ class Environment(NamedTuple):
     checkpoint: str | None
     log_level: int | None
     problems: tuple[str, ...] = ()  # one message per bad value, which was ignored
+    scan: bool = True
 
 
 def _names(value: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in value.split(",") if part.strip())
 
 
-def _flag(variable: str, problems: list[str]) -> bool:
+def _flag(variable: str, problems: list[str], default: bool = False) -> bool:
     value = os.environ.get(variable, "").strip().lower()
+    if not value:
+        return default
     if value in _OFF:
         return False
     if value in _ALL:
         return True
-    problems.append(f"gradpatch: {variable}={os.environ[variable]!r} is not a boolean; use 1 or 0 (treating it as 0)")
-    return False
+    problems.append(f"gradpatch: {variable}={os.environ[variable]!r} is not a boolean; use 1 or 0 "
+                    f"(treating it as {int(default)})")
+    return default
 
 
 def read() -> Environment:
@@ -58,8 +64,9 @@ def read() -> Environment:
                         f"{', '.join(settings.CHECKPOINT_POLICIES)}; using 'respect'")
         checkpoint = None
     strict = _flag("GRADPATCH_STRICT", problems)
+    scan = _flag("GRADPATCH_SCAN", problems, default=True)
     return Environment(enabled, names, _names(os.environ.get("GRADPATCH_EXCLUDE", "")), strict, checkpoint,
-                       _log_level(problems), tuple(problems))
+                       _log_level(problems), tuple(problems), scan)
 
 
 def _log_level(problems: list[str]) -> int | None:

@@ -13,6 +13,9 @@ module's source text. Normalisation removes what does not change behaviour:
 The serialisation skips empty and ``None`` fields, so the same source hashes alike on every Python
 version that parses it. Compute a fingerprint offline with
 ``python -m gradpatch.fingerprint FILE NAME [NAME ...]`` (e.g. ``util.py checkpoint CheckpointFunction``).
+
+At run time :class:`Fingerprints` hashes the definitions that made the objects actually found at the
+target (:mod:`gradpatch.definitions`): a wrapper or a rebinding someone installed there is unknown code.
 """
 from __future__ import annotations
 
@@ -20,6 +23,8 @@ import ast
 import sys
 from types import ModuleType
 from typing import Callable, Literal, Mapping, NamedTuple, Protocol, Sequence
+
+from gradpatch.definitions import definition_of, import_aliases, lookup, parse_module
 
 Verdict = Literal["known", "fixed", "unknown"]
 
@@ -35,20 +40,6 @@ class Recogniser(Protocol):
     """Decides whether ``original`` (``module.qualname``) is code a patch knows how to fix."""
 
     def identify(self, module: ModuleType, qualname: str, original: object) -> Identity: ...
-
-
-def _import_aliases(tree: ast.Module) -> dict[str, str]:
-    aliases: dict[str, str] = {}
-    for node in tree.body:
-        if isinstance(node, ast.Import):
-            for alias in node.names:
-                if alias.asname:
-                    aliases[alias.asname] = alias.name
-        elif isinstance(node, ast.ImportFrom):
-            base = "." * node.level + (node.module or "")
-            for alias in node.names:
-                aliases[alias.asname or alias.name] = f"{base}.{alias.name}"
-    return aliases
 
 
 def _strip_docstring(body: list[ast.stmt]) -> list[ast.stmt]:
@@ -100,7 +91,7 @@ def fingerprint_source(source: str, names: Sequence[str]) -> str:
     import hashlib
 
     tree = ast.parse(source)
-    aliases = _import_aliases(tree)
+    aliases = import_aliases(tree)
     digest = hashlib.sha256()
     for name in names:
         digest.update(_canonical(_find(tree, name), aliases).encode())
@@ -108,20 +99,39 @@ def fingerprint_source(source: str, names: Sequence[str]) -> str:
     return digest.hexdigest()[:16]
 
 
-_by_module: dict[tuple[str, str | None, tuple[str, ...]], str] = {}
-
-
 def fingerprint_module(module: ModuleType, names: Sequence[str]) -> str:
-    """The fingerprint of ``names`` in an imported module (its source is read, not re-executed).
+    """The fingerprint of ``names`` in an imported module, as its source file defines them."""
+    parsed = parse_module(module)
+    import hashlib
 
-    Cached per module file: the patches of one codebase usually hash the same definitions.
-    """
-    key = (module.__name__, getattr(module, "__file__", None), tuple(names))
-    if key not in _by_module:
-        import inspect
+    digest = hashlib.sha256()
+    for name in names:
+        digest.update(_canonical(_find(parsed.tree, name), parsed.aliases).encode())
+        digest.update(b"\0")
+    return digest.hexdigest()[:16]
 
-        _by_module[key] = fingerprint_source(inspect.getsource(module), names)
-    return _by_module[key]
+
+def fingerprint_objects(module: ModuleType, names: Sequence[str], found: Mapping[str, object] = {}) -> str:
+    """The fingerprint of the objects ``module`` holds under ``names`` (or ``found[name]``), hashed
+    from their own definitions.
+
+    Each must be what the module's own definition of that name made (see :func:`definition_of`);
+    a companion name (not in ``found``) already holding gradpatch's replacement counts as the
+    definition it replaced, which gradpatch recognised before replacing it. Raises
+    :class:`LookupError` otherwise."""
+    parsed = parse_module(module)
+    import hashlib
+
+    digest = hashlib.sha256()
+    for name in names:
+        obj = found[name] if name in found else lookup(module, name)
+        if name not in found and getattr(obj, "__module__", "").partition(".")[0] == "gradpatch":
+            node = _find(parsed.tree, name)
+        else:
+            node = definition_of(module, name, obj)
+        digest.update(_canonical(node, parsed.aliases).encode())
+        digest.update(b"\0")
+    return digest.hexdigest()[:16]
 
 
 class Fingerprints(NamedTuple):
@@ -132,6 +142,11 @@ class Fingerprints(NamedTuple):
     behaviour instead (e.g. "``sample`` already takes ``cache``"). ``over`` names the definitions hashed
     together (default: the patched attribute alone); the checkpoint patches hash ``checkpoint`` and
     ``CheckpointFunction`` together because the defect lives in the class.
+
+    What is hashed is the definition of the object found at the target, not whatever the file
+    defines under that name: an object that is not what its module's own definition made (a user's
+    wrapper, a later rebinding) is unknown code, and so is an ``over`` companion replaced by anything
+    but gradpatch.
     """
 
     known: Mapping[str, str]
@@ -142,9 +157,12 @@ class Fingerprints(NamedTuple):
     def identify(self, module: ModuleType, qualname: str, original: object) -> Identity:
         if self.fixed_if is not None and self.fixed_if(original):
             return Identity("fixed", "the upstream code already has the fix")
+        names = self.over or (qualname,)
         try:
-            digest = fingerprint_module(module, self.over or (qualname,))
-        except LookupError as missing:  # the definition moved or was removed upstream
+            if qualname not in names:
+                definition_of(module, qualname, original)
+            digest = fingerprint_objects(module, names, {qualname: original})
+        except LookupError as missing:  # the definition moved, was removed, or is not what runs
             return Identity("unknown", str(missing))
         if digest in self.known:
             return Identity("known", self.known[digest])
