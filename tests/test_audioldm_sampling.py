@@ -295,6 +295,11 @@ def test_bad_options_are_refused(model):
             DDIMSampler(model).sample(**kwargs(cond), cache=False, grad_steps=0)
         with pytest.raises(RuntimeError, match="no effect"):
             model.decode_first_stage(torch.zeros(1, *SHAPE), cache=False, checkpoint_steps=True)
+        with pytest.raises(TypeError, match="True or False"):  # "False" is truthy: never read as True
+            DDIMSampler(model).sample(**kwargs(cond), cache="False")
+        with pytest.warns(gradpatch.ConfigWarning, match="did you mean grad_steps="):
+            # DDIMSampler.sample's **kwargs would swallow the misspelt option silently
+            DDIMSampler(model).sample(**{**kwargs(cond), "S": 1}, cache=False, grad_step=1)
         for method in (model.generate_sample, model.generate_sample_masked):
             with pytest.raises(NotDifferentiableError, match="sample_log.*decode_first_stage"):
                 method([], cache=False)

@@ -244,6 +244,10 @@ def test_modes_and_bad_options():
         kd.sample_euler(model, NOISE, SIGMAS, disable=True, cache=False)
     with pytest.raises(TypeError):
         kd.sample_euler(model, NOISE, SIGMAS, disable=True, cache=False, bogus=1)
+    with pytest.raises(TypeError, match="True or False"):
+        kd.sample_euler(model, NOISE, SIGMAS, disable=True, cache="False")
+    with pytest.raises(TypeError, match="grad_steps"):
+        kd.sample_euler(model, NOISE, SIGMAS, disable=True, cache=False, grad_steps=True)
     assert sampling.active_options() is None
 
 

@@ -51,8 +51,8 @@ from typing import Any, Callable, Iterator, TypeVar
 
 import torch
 
-from gradpatch.fixes.sampling import (SamplingOptions, _shadow, _with_keywords, active_options, differentiable,
-                                      run_step, sampling_options)
+from gradpatch.fixes.sampling import (SamplingOptions, _shadow, _with_keywords, active_options, check_keywords,
+                                      differentiable, run_step, sampling_options, swallowed_keywords)
 
 T = TypeVar("T")
 _UNSET: Any = object()
@@ -152,10 +152,12 @@ def _sampler(original: Callable[..., T], *, adaptive: bool) -> Callable[..., T]:
     name = f"{raw.__module__}.{raw.__qualname__}"
     module = sys.modules.get(raw.__module__)
     progress = tuple(n for n in _PROGRESS if callable(getattr(module, n, None)))
+    accepted = swallowed_keywords(raw)
 
     @functools.wraps(original)
     def sample(*args: Any, cache: bool = _UNSET, grad_steps: int | None = None, checkpoint_steps: bool = False,
                **kwargs: Any) -> T:
+        check_keywords(kwargs, accepted, name)
         outer = active_options()
         follow = cache is _UNSET and grad_steps is None and not checkpoint_steps and outer is not None
         options = outer if follow else sampling_options(True if cache is _UNSET else cache, grad_steps,

@@ -59,7 +59,8 @@ import torch
 
 from gradpatch.fixes.diffusers import NotDifferentiableError, no_grad_body
 from gradpatch.fixes.sampling import (SamplingOptions, SamplingRun, _current, _shadow, _with_keywords,
-                                      differentiable, run_step, sampling_options)
+                                      check_keywords, differentiable, run_step, sampling_options,
+                                      swallowed_keywords)
 
 _UNSET: Any = object()
 _run: ContextVar[SamplingRun | None] = ContextVar("gradpatch_ldm_run", default=None)
@@ -177,13 +178,15 @@ def _differentiable_call(owner: Any, name: str, options: SamplingOptions) -> Ite
 
 def _entry(original: Callable[..., Any], body: Callable[..., Any]) -> Callable[..., Any]:
     name = getattr(original, "__name__", "method")
+    accepted = swallowed_keywords(body)
 
     @functools.wraps(original)
     def method(self: Any, *args: Any, cache: bool = _UNSET, grad_steps: int | None = None,
                checkpoint_steps: bool = False, **kwargs: Any) -> Any:
+        check_keywords(kwargs, accepted, f"{type(self).__name__}.{name}")
         if cache is _UNSET and grad_steps is None and not checkpoint_steps and _active() is not None:
             return body(self, *args, **kwargs)  # reached from a cache=False call: continue its graph
-        options = sampling_options(True if cache is _UNSET else bool(cache), grad_steps, checkpoint_steps)
+        options = sampling_options(True if cache is _UNSET else cache, grad_steps, checkpoint_steps)
         if cache is _UNSET or cache:
             return original(self, *args, **kwargs)
         with _differentiable_call(self, name, options) as run:
