@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
 import sys
 import threading
 from types import ModuleType
@@ -64,7 +65,8 @@ def select(names: Iterable[str] = (), exclude: Iterable[str] = (), *, source: st
                 close = difflib.get_close_matches(name, sorted(vocabulary), n=1)
                 hint = f"did you mean {close[0]!r}? " if close else ""
                 complain(ConfigWarning, f"gradpatch: unknown patch {raw!r} in {source}; {hint}"
-                         "`gradpatch list` shows every patch and upstream name")
+                         "`gradpatch list` shows every patch and upstream name",
+                         once=source.startswith("GRADPATCH"))  # the environment is read by every apply()
             chosen |= hits
         return chosen
 
@@ -170,9 +172,11 @@ def _apply_now(patch: Patch, module: ModuleType, *, late: bool) -> None:
         if identity.verdict == "unknown":
             _record(patch, Status.SKIPPED, f"unknown code (fingerprint {identity.label})",
                     variant=identity.label, version=version)
-            complain(UnknownCodeWarning, f"gradpatch: {patch.target} does not match any known version "
-                     f"(fingerprint {identity.label}), so {patch.name!r} left it alone. If it is a copy "
-                     "of the known-broken code, add this fingerprint to the catalogue.")
+            # One warning per module, not per patch on it (checkpoint and CheckpointFunction share one).
+            names = [p.name for p in known_patches().values() if p.module == patch.module and p.name in _wanted]
+            complain(UnknownCodeWarning, f"gradpatch: {patch.module} does not match any known version "
+                     f"(fingerprint {identity.label}), so gradpatch left it alone ({', '.join(names)}). If it "
+                     "is a copy of the known-broken code, add this fingerprint to the catalogue.", once=True)
             return
         factory = resolve(patch.fix)
         in_use = [other.replacement for other in _installed.values()]
@@ -308,7 +312,11 @@ def activate_from_env() -> Report | None:
         _configure_logging(env.log_level)
     if not env.enabled:
         return None
-    return apply()
+    report = apply()
+    waiting = len(report.by_status("deferred"))
+    logger.info("active (GRADPATCH=%s): %d applied, %d waiting for their targets to be imported",
+                os.environ.get("GRADPATCH", ""), len(report.by_status("applied")), waiting)
+    return report
 
 
 def _configure_logging(level: int) -> None:

@@ -1,7 +1,8 @@
 """The ``GRADPATCH*`` environment variables, parsed once per call with one clear warning per bad value.
 
 ``GRADPATCH``            unset, empty or ``0``: nothing happens. ``1``/``all``: every patch. Otherwise a
-                         comma-separated list of patch or upstream names (``audioldm,f5_tts``).
+                         comma-separated list of patch or upstream names (``audioldm,f5_tts``); a value
+                         that names nothing (``,``) is reported and leaves gradpatch off.
 ``GRADPATCH_EXCLUDE``    comma-separated names to leave out.
 ``GRADPATCH_STRICT``     ``1``: raise instead of warning.
 ``GRADPATCH_CHECKPOINT`` ``respect`` (default), ``always`` or ``never``.
@@ -40,7 +41,7 @@ def _flag(variable: str) -> bool:
     if value in _ALL:
         return True
     complain(ConfigWarning, f"gradpatch: {variable}={os.environ[variable]!r} is not a boolean; "
-             f"use 1 or 0 (treating it as 0)")
+             f"use 1 or 0 (treating it as 0)", once=True)
     return False
 
 
@@ -48,10 +49,14 @@ def read() -> Environment:
     raw = os.environ.get("GRADPATCH", "").strip()
     enabled = raw.lower() not in _OFF
     names = () if raw.lower() in _ALL or not enabled else _names(raw)
+    if enabled and not names and raw.lower() not in _ALL:
+        complain(ConfigWarning, f"gradpatch: GRADPATCH={raw!r} names no patch, so gradpatch stays off; use 1 "
+                 "for every patch or a comma list of names (`gradpatch list` shows them)", once=True)
+        enabled = False
     checkpoint = os.environ.get("GRADPATCH_CHECKPOINT", "").strip().lower() or None
     if checkpoint is not None and checkpoint not in settings.CHECKPOINT_POLICIES:
         complain(ConfigWarning, f"gradpatch: GRADPATCH_CHECKPOINT={checkpoint!r} is not one of "
-                 f"{', '.join(settings.CHECKPOINT_POLICIES)}; using 'respect'")
+                 f"{', '.join(settings.CHECKPOINT_POLICIES)}; using 'respect'", once=True)
         checkpoint = None
     return Environment(enabled, names, _names(os.environ.get("GRADPATCH_EXCLUDE", "")),
                        _flag("GRADPATCH_STRICT"), checkpoint, _log_level())
@@ -67,5 +72,5 @@ def _log_level() -> int | None:
     if isinstance(level, int):
         return level
     complain(ConfigWarning, f"gradpatch: GRADPATCH_LOG={value!r} is not a logging level; "
-             "use debug, info, warning or error")
+             "use debug, info, warning or error", once=True)
     return None
