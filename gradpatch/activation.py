@@ -172,11 +172,13 @@ def _apply_now(patch: Patch, module: ModuleType, *, late: bool) -> None:
         if identity.verdict == "unknown":
             _record(patch, Status.SKIPPED, f"unknown code (fingerprint {identity.label})",
                     variant=identity.label, version=version)
-            # One warning per module, not per patch on it (checkpoint and CheckpointFunction share one).
+            # One warning per module, not one per patch on it (e.g. checkpoint and CheckpointFunction).
             names = [p.name for p in known_patches().values() if p.module == patch.module and p.name in _wanted]
-            complain(UnknownCodeWarning, f"gradpatch: {patch.module} does not match any known version "
-                     f"(fingerprint {identity.label}), so gradpatch left it alone ({', '.join(names)}). If it "
-                     "is a copy of the known-broken code, add this fingerprint to the catalogue.", once=True)
+            if not any(n != patch.name and n in _records and _records[n].reason.startswith("unknown code")
+                       for n in names):
+                complain(UnknownCodeWarning, f"gradpatch: {patch.module} does not match any known version "
+                         f"(fingerprint {identity.label}), so gradpatch left it alone ({', '.join(names)}). "
+                         "If it is a copy of the known-broken code, add this fingerprint to the catalogue.")
             return
         factory = resolve(patch.fix)
         in_use = [other.replacement for other in _installed.values()]

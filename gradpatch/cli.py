@@ -22,7 +22,7 @@ import sys
 from typing import Sequence
 
 from gradpatch.fingerprint import Fingerprints, fingerprint_source
-from gradpatch.registry import Patch, format_table
+from gradpatch.registry import WIDTH, Patch, elide, format_table
 
 
 def _source_path(module: str) -> str | None:
@@ -129,7 +129,8 @@ def _print_status(args: argparse.Namespace) -> int:
         return 0
     import gradpatch
 
-    print(f"gradpatch {gradpatch.__version__} from {os.path.dirname(gradpatch.__file__)}")
+    heading = f"gradpatch {gradpatch.__version__} from "
+    print(heading + elide(os.path.dirname(gradpatch.__file__), WIDTH - len(heading)))
     rows = [("patch", "version", "target", "code") if args.wide else ("patch", "version", "code")]
     for s in statuses:
         code = str(s["code"]) + (f"; {s['shadowed']}" if s["shadowed"] else "")
@@ -183,7 +184,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="gradpatch", description="Make gradients flow through upstream diffusion code.",
                                      epilog="Activate with GRADPATCH=1 (every Python process), `gradpatch run -- CMD`, "
                                             "or gradpatch.apply() in code. README: Install, Use.")
-    parser.add_argument("--version", action="version", version=_version_line())
+    parser.add_argument("--version", action="store_true", help="print the version and where gradpatch is imported from")
     commands = parser.add_subparsers(dest="command_name", metavar="COMMAND")
     listing = commands.add_parser("list", help="every known patch")
     status = commands.add_parser("status", help="installed targets and whether their code is recognised")
@@ -208,6 +209,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     doctor.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
     doctor.set_defaults(handler=_doctor, parser=doctor)
     args = parser.parse_args(argv)
+    if args.version:  # printed as is: argparse's version action wraps it to the terminal's width
+        print(_version_line())
+        return 0
     if args.command_name is None:
         parser.print_help()
         return 0

@@ -86,7 +86,7 @@ class Record(NamedTuple):
 WIDTH = 100
 
 
-def _elide(text: str, width: int) -> str:
+def elide(text: str, width: int) -> str:
     """``text`` cut to its last ``width`` characters: a target's end (``util:checkpoint``) says the most,
     and its package is already in the patch's name."""
     return text if len(text) <= width else "..." + text[len(text) - width + 3:]
@@ -113,9 +113,12 @@ def format_table(rows: list[tuple[str, ...]], *, wide: bool = False, width: int 
     free = width - 4 if below else width - indent
     lines = []
     for row in rows:
-        cells = "  ".join(_elide(c, w).ljust(w) for c, w in zip(row, fixed))
+        cells = "  ".join(elide(c, w).ljust(w) for c, w in zip(row, fixed))
         text = textwrap.wrap(row[-1], free, break_on_hyphens=False) or [""]
-        if below:
+        if below and row is rows[0]:  # the header names the indented line's column too, if it fits
+            heading = cells.rstrip() + "  " + row[-1]
+            lines += [heading] if len(heading) <= width else [cells.rstrip(), "    " + row[-1]]
+        elif below:
             lines.append(cells.rstrip())
             lines += ["    " + part for part in text if part]
         else:
