@@ -233,8 +233,10 @@ def fresh_venv(path: Path) -> Path:
 
 
 def pip(python: Path, *args: str) -> None:
-    result = subprocess.run([str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", *args],
-                            capture_output=True, text=True)
+    # --no-compile: byte-compiling every installed file (scipy, numba, transformers...) would take longer
+    # than the install; the modules the test imports are compiled when imported.
+    result = subprocess.run([str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
+                             "--no-compile", *args], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
 
