@@ -177,13 +177,15 @@ def _doctor(args: argparse.Namespace) -> int:
 def _version_line() -> str:
     import gradpatch
 
-    return f"gradpatch {gradpatch.__version__} from {os.path.dirname(gradpatch.__file__)} (Python {sys.version.split()[0]})"
+    where = os.path.dirname(gradpatch.__file__)
+    return f"gradpatch {gradpatch.__version__} from {where} (Python {sys.version.split()[0]})"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="gradpatch", description="Make gradients flow through upstream diffusion code.",
+    parser = argparse.ArgumentParser(prog="gradpatch",
+                                     description="Make gradients flow through upstream diffusion code.",
                                      epilog="Activate with GRADPATCH=1 (every Python process), `gradpatch run -- CMD`, "
-                                            "or gradpatch.apply() in code. README: Install, Use.")
+                                            "or gradpatch.apply() in code; the README's Install and Use say more.")
     parser.add_argument("--version", action="store_true", help="print the version and where gradpatch is imported from")
     commands = parser.add_subparsers(dest="command_name", metavar="COMMAND")
     listing = commands.add_parser("list", help="every known patch")
@@ -216,6 +218,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 0
     return int(args.handler(args))
+
 
 if __name__ == "__main__":
     raise SystemExit(main())
