@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 export HF_HUB_OFFLINE := 1
 
-.PHONY: demo test bench clean
+.PHONY: demo test newcomer bench clean
 
 $(VENV)/.installed: pyproject.toml requirements/test.txt requirements/upstream.txt
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,11 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -n 2 --durations=15
+
+# The wheel in fresh virtual environments, installed as the README's Install section says, and the
+# README's Python blocks run there (also part of `make test`).
+newcomer: $(VENV)/.installed
+	$(PY) -m pytest -n 2 tests/test_newcomer.py tests/test_cli.py
 
 bench: $(VENV)/.installed
 	for script in benchmarks/*.py; do $(PY) $$script --quick || exit 1; done

@@ -112,9 +112,13 @@ def _apply_now(patch: Patch, module: ModuleType, *, late: bool) -> None:
                  f"was not applied: {type(exc).__name__}: {exc}")
         return
     if unknown is not None:  # outside the try: in strict mode this raises, recorded as skipped
-        complain(UnknownCodeWarning, f"gradpatch: {patch.target} does not match any known version "
-                 f"(fingerprint {unknown}), so {patch.name!r} left it alone. If it is a copy "
-                 "of the known-broken code, add this fingerprint to the catalogue.")
+        # One warning per module, not one per patch on it (e.g. checkpoint and CheckpointFunction).
+        names = [p.name for p in known_patches().values() if p.module == patch.module and p.name in _wanted]
+        if not any(n != patch.name and n in _records and _records[n].reason.startswith("unknown code")
+                   for n in names):
+            complain(UnknownCodeWarning, f"gradpatch: {patch.module} does not match any known version "
+                     f"(fingerprint {unknown}), so gradpatch left it alone ({', '.join(names)}). "
+                     "If it is a copy of the known-broken code, add this fingerprint to the catalogue.")
         return
     _installed[patch.name] = installed
     _record(patch, Status.APPLIED, patch.summary, variant=identity.label, version=version,
@@ -209,8 +213,8 @@ def apply(*names: str | Iterable[str], exclude: str | Iterable[str] | None = Non
 
 
 def _apply(names: tuple, exclude: object, env: environment.Environment, scan: bool | None) -> Report:
-    for problem in env.problems:  # now that strictness is known
-        complain(ConfigWarning, problem)
+    for problem in env.problems:  # now that strictness is known; once, as every apply() reads them
+        complain(ConfigWarning, problem, once=True)
     source = "apply()"
     if not names and env.names:
         names, source = tuple(env.names), "GRADPATCH"
@@ -308,9 +312,16 @@ def activate_from_env() -> Report | None:
     env = environment.read()
     if env.log_level is not None:
         _configure_logging(env.log_level)
-    if not env.enabled:
+    if not env.enabled:  # GRADPATCH names nothing (","): its problems are all that is said
+        with settings.scope(strict=env.strict):
+            for problem in env.problems:
+                complain(ConfigWarning, problem, once=True)
         return None
-    return apply()
+    report = apply()
+    waiting = len(report.by_status("deferred"))
+    logger.info("active (GRADPATCH=%s): %d applied, %d waiting for their targets to be imported",
+                os.environ.get("GRADPATCH", ""), len(report.by_status("applied")), waiting)
+    return report
 
 
 def _configure_logging(level: int) -> None:

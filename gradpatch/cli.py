@@ -1,13 +1,16 @@
 """The ``gradpatch`` command (also ``python -m gradpatch``).
 
-``gradpatch list``                  every known patch, its target and what it fixes
-``gradpatch status [--json]``       which targets are installed here, their versions, and whether their
-                                    code matches a known fingerprint (read from source: nothing is
-                                    imported, so neither torch nor any target is loaded)
-``gradpatch run [OPTIONS] -- CMD``  run CMD with gradpatch active in it and every Python process it
-                                    starts (sets ``GRADPATCH*`` and execs, like ``ddtrace-run``)
-``gradpatch doctor SCRIPT [ARGS]``  run a training script and, after each backward, explain every
-                                    parameter that requires grad but got no gradient
+``gradpatch list [--wide|--json]``    every known patch, its target and what it fixes
+``gradpatch status [--wide|--json]``  which targets are installed here, their versions, and whether their
+                                      code matches a known fingerprint (read from source: nothing is
+                                      imported, so neither torch nor any target is loaded)
+``gradpatch run [OPTIONS] -- CMD``    run CMD with gradpatch active in it and every Python process it
+                                      starts (sets ``GRADPATCH*`` and execs, like ``ddtrace-run``)
+``gradpatch doctor SCRIPT [ARGS]``    run a training script and, after each backward, explain every
+                                      parameter that requires grad but got no gradient
+``gradpatch --version``               this gradpatch's version and where it is imported from
+
+Tables fit 100 columns (``--wide``: one line per row, ``--json``: for tools).
 """
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ from typing import Sequence
 
 from gradpatch import _OFF
 from gradpatch.fingerprint import Fingerprints, fingerprint_source
-from gradpatch.registry import Patch
+from gradpatch.registry import WIDTH, Patch, elide, format_table
 
 
 def _source_path(module: str) -> str | None:
@@ -42,23 +45,45 @@ def _source_path(module: str) -> str | None:
     return None
 
 
-def _version(patch: Patch) -> str | None:
+def _version(patch: Patch, path: str) -> tuple[str | None, str | None]:
+    """``(version, shadowed)``: the version of the distribution that ``path`` (the file a plain import
+    finds) belongs to; or, when a local copy shadows an installed distribution, ``(None, what)``."""
     if not patch.requires:
-        return None
-    from importlib.metadata import PackageNotFoundError, version
+        return None, None
+    from importlib.metadata import PackageNotFoundError, distribution
 
     from gradpatch.activation import split_requirement
 
+    name = split_requirement(patch.requires)[0]
     try:
-        return version(split_requirement(patch.requires)[0])
+        dist = distribution(name)
     except PackageNotFoundError:
-        return None
+        return None, None
+    if _owns(dist, path):
+        return dist.version, None
+    return None, f"a local copy is imported: {path} (installed: {name} {dist.version})"
+
+
+def _owns(dist: object, path: str) -> bool:
+    """Whether ``path`` is one of the installed distribution's files (or under its editable source)."""
+    real = os.path.realpath(path)
+    root = os.path.realpath(str(dist.locate_file("")))  # type: ignore[attr-defined]
+    listed = {os.path.normpath(str(f)) for f in dist.files or ()}  # type: ignore[attr-defined]
+    if os.path.relpath(real, root) in listed:
+        return True
+    direct = dist.read_text("direct_url.json") or ""  # type: ignore[attr-defined]
+    if '"editable": true' in direct.replace("'", '"'):
+        url = json.loads(direct).get("url", "")
+        source = os.path.realpath(url[len("file://"):]) if url.startswith("file://") else ""
+        return bool(source) and real.startswith(source + os.sep)
+    return False
 
 
 def _status(patch: Patch) -> dict[str, object]:
     path = _source_path(patch.module)
+    version, shadowed = _version(patch, path) if path else (None, None)
     row: dict[str, object] = {"patch": patch.name, "target": patch.target, "installed": path is not None,
-                              "version": _version(patch) if path else None, "code": "not installed"}
+                              "version": version, "path": path, "shadowed": shadowed, "code": "not installed"}
     recogniser = patch.recognise
     if path is None:
         return row
@@ -80,17 +105,19 @@ def _status(patch: Patch) -> dict[str, object]:
     return row
 
 
-def _table(rows: list[tuple[str, ...]]) -> str:
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)) + "  " + row[-1] for row in rows)
-
-
-def _list(_: argparse.Namespace) -> int:
+def _list(args: argparse.Namespace) -> int:
     from gradpatch.activation import known_patches
 
-    rows = [("patch", "upstream", "target", "fixes")]
-    rows += [(p.name, p.upstream, p.target, p.summary) for p in known_patches().values()]
-    print(_table(rows))
+    patches = list(known_patches().values())
+    if args.json:
+        print(json.dumps([{"patch": p.name, "upstream": p.upstream, "target": p.target, "fixes": p.summary,
+                           "requires": p.requires} for p in patches], indent=2))
+        return 0
+    if args.wide:
+        rows = [("patch", "upstream", "target", "fixes")] + [(p.name, p.upstream, p.target, p.summary) for p in patches]
+    else:
+        rows = [("patch", "fixes")] + [(p.name, p.summary) for p in patches]  # a name starts with its upstream
+    print(format_table(rows, wide=args.wide))
     return 0
 
 
@@ -101,9 +128,17 @@ def _print_status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(statuses, indent=2))
         return 0
-    rows = [("patch", "version", "target", "code")]
-    rows += [(str(s["patch"]), str(s["version"] or "-"), str(s["target"]), str(s["code"])) for s in statuses]
-    print(_table(rows))
+    import gradpatch
+
+    heading = f"gradpatch {gradpatch.__version__} from "
+    print(heading + elide(os.path.dirname(gradpatch.__file__), WIDTH - len(heading)))
+    rows = [("patch", "version", "target", "code") if args.wide else ("patch", "version", "code")]
+    for s in statuses:
+        code = str(s["code"]) + (f"; {s['shadowed']}" if s["shadowed"] else "")
+        version = str(s["version"] or ("local copy" if s["shadowed"] else "-"))
+        rows.append((str(s["patch"]), version, str(s["target"]), code) if args.wide
+                    else (str(s["patch"]), version, code))
+    print(format_table(rows, wide=args.wide))
     return 0
 
 
@@ -131,18 +166,36 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _doctor(args: argparse.Namespace) -> int:
+    if args.script is None:
+        args.parser.print_help()
+        return 2
     from gradpatch.doctor import run_script
 
     run_script(args.script, args.args)
     return 0
 
 
+def _version_line() -> str:
+    import gradpatch
+
+    where = os.path.dirname(gradpatch.__file__)
+    return f"gradpatch {gradpatch.__version__} from {where} (Python {sys.version.split()[0]})"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="gradpatch", description="Make gradients flow through upstream diffusion code.")
-    commands = parser.add_subparsers(dest="command_name", required=True)
-    commands.add_parser("list", help="every known patch").set_defaults(handler=_list)
+    parser = argparse.ArgumentParser(prog="gradpatch",
+                                     description="Make gradients flow through upstream diffusion code.",
+                                     epilog="Activate with GRADPATCH=1 (every Python process), `gradpatch run -- CMD`, "
+                                            "or gradpatch.apply() in code; the README's Install and Use say more.")
+    parser.add_argument("--version", action="store_true", help="print the version and where gradpatch is imported from")
+    commands = parser.add_subparsers(dest="command_name", metavar="COMMAND")
+    listing = commands.add_parser("list", help="every known patch")
     status = commands.add_parser("status", help="installed targets and whether their code is recognised")
-    status.add_argument("--json", action="store_true", help="machine-readable output")
+    for sub in (listing, status):
+        shape = sub.add_mutually_exclusive_group()
+        shape.add_argument("--wide", action="store_true", help="one line per row, however long")
+        shape.add_argument("--json", action="store_true", help="machine-readable output")
+    listing.set_defaults(handler=_list)
     status.set_defaults(handler=_print_status)
     run = commands.add_parser("run", help="run a command with gradpatch active in every Python process")
     run.add_argument("--patches", action="append", metavar="NAME", help="patch or upstream name (repeatable; default: all)")
@@ -151,11 +204,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     run.add_argument("--strict", action="store_true", help="raise instead of warning")
     run.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD [ARGS...]")
     run.set_defaults(handler=_run)
-    doctor = commands.add_parser("doctor", help="run a script and explain parameters that get no gradient")
-    doctor.add_argument("script", help="the training script")
+    doctor = commands.add_parser("doctor", help="run a script and explain parameters that get no gradient",
+                                 description="Run a training script unchanged and, after each backward, name every "
+                                             "parameter that requires grad but got no gradient, with its cause.",
+                                 epilog="example: gradpatch doctor train.py --lr 1e-4")
+    doctor.add_argument("script", nargs="?", help="the training script")
     doctor.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
-    doctor.set_defaults(handler=_doctor)
+    doctor.set_defaults(handler=_doctor, parser=doctor)
     args = parser.parse_args(argv)
+    if args.version:  # printed as is: argparse's version action wraps it to the terminal's width
+        print(_version_line())
+        return 0
+    if args.command_name is None:
+        parser.print_help()
+        return 0
     return int(args.handler(args))
 
 

@@ -219,7 +219,9 @@ def run_script(path: str, argv: list[str]) -> None:
     def report(error: BaseException | None = None) -> str:
         text = "\n".join(str(f) for model in list(roots) for f in explain_grads(model, error).findings
                          if str(f) not in seen and not seen.add(str(f)))
-        if text:
+        # A failing backward carries the diagnosis as a note, which its traceback prints: printing it
+        # here too would show it twice.
+        if text and (error is None or not hasattr(error, "add_note")):
             print("gradpatch doctor:\n" + text, file=sys.stderr)
         return text
 

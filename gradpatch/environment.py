@@ -2,7 +2,8 @@
 
 ``GRADPATCH``            unset, empty, ``0``, ``false``, ``no`` or ``off`` (any case): nothing happens.
                          ``1``/``all``/``true``/``yes``/``on``: every patch. Otherwise a comma-separated
-                         list of patch or upstream names (``audioldm,f5_tts``).
+                         list of patch or upstream names (``audioldm,f5_tts``); a value that names
+                         nothing (``,``) is reported and leaves gradpatch off.
 ``GRADPATCH_EXCLUDE``    comma-separated names to leave out.
 ``GRADPATCH_STRICT``     ``1``: raise instead of warning.
 ``GRADPATCH_CHECKPOINT`` ``respect`` (default), ``always`` or ``never``.
@@ -58,6 +59,10 @@ def read() -> Environment:
     raw = os.environ.get("GRADPATCH", "").strip()
     enabled = raw.lower() not in _OFF
     names = () if raw.lower() in _ALL or not enabled else _names(raw)
+    if enabled and not names and raw.lower() not in _ALL:
+        problems.append(f"gradpatch: GRADPATCH={raw!r} names no patch, so gradpatch stays off; use 1 "
+                        "for every patch or a comma list of names (`gradpatch list` shows them)")
+        enabled = False
     checkpoint = os.environ.get("GRADPATCH_CHECKPOINT", "").strip().lower() or None
     if checkpoint is not None and checkpoint not in settings.CHECKPOINT_POLICIES:
         problems.append(f"gradpatch: GRADPATCH_CHECKPOINT={checkpoint!r} is not one of "

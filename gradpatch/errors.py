@@ -45,17 +45,51 @@ class GradpatchError(RuntimeError):
     """Raised instead of a warning in strict mode."""
 
 
+# Frames a warning should not point at: gradpatch itself, and the import machinery between the user's
+# ``import`` line and gradpatch's post-import hook (wrapt's importer, importlib).
+_MACHINERY = ("gradpatch", "wrapt", "importlib", "_frozen_importlib", "_frozen_importlib_external")
+
+
+def _is_machinery(frame: object) -> bool:
+    name = frame.f_globals.get("__name__", "")  # type: ignore[attr-defined]
+    return any(name == prefix or name.startswith(prefix + ".") for prefix in _MACHINERY)
+
+
+def _skipped_by_warnings(frame: object) -> bool:
+    # warnings.warn does not count importlib._bootstrap frames when walking stacklevel frames up.
+    filename = frame.f_code.co_filename  # type: ignore[attr-defined]
+    return "importlib" in filename and "_bootstrap" in filename
+
+
 def _caller_outside_gradpatch() -> int:
-    """The ``stacklevel`` that points a warning at the first frame outside gradpatch."""
-    frame, level = sys._getframe(1), 1
-    while frame.f_back is not None and frame.f_globals.get("__name__", "").startswith("gradpatch"):
-        frame, level = frame.f_back, level + 1
-    return level
+    """The ``stacklevel`` that points a warning at the first frame outside gradpatch and the import
+    machinery: the user's ``import`` line or call (or, at start-up, ``site``)."""
+    frame, level = sys._getframe(1), 1  # complain()
+    while True:
+        back = frame.f_back
+        while back is not None and _skipped_by_warnings(back):
+            back = back.f_back
+        if back is None:
+            return level
+        frame, level = back, level + 1
+        if not _is_machinery(frame):
+            return level
 
 
-def complain(category: type[GradpatchWarning], message: str) -> None:
-    """Warn (or raise :class:`GradpatchError` in strict mode) with one self-explanatory message."""
+_issued: set[tuple[type, str]] = set()
+
+
+def complain(category: type[GradpatchWarning], message: str, *, once: bool = False) -> None:
+    """Warn (or raise :class:`GradpatchError` in strict mode) with one self-explanatory message.
+
+    ``once=True``: a message already issued in this process is not repeated (for what the environment
+    says, read again by every ``apply()``: start-up activation, ``import gradpatch.auto``, user code).
+    """
     if settings.strict:
         raise GradpatchError(message)
+    if once:
+        if (category, message) in _issued:
+            return
+        _issued.add((category, message))
     logger.debug("%s: %s", category.__name__, message)
     warnings.warn(message, category, stacklevel=_caller_outside_gradpatch())

@@ -82,23 +82,87 @@ class Record(NamedTuple):
         }
 
 
+#: Tables are laid out for this many columns unless asked to be wide.
+WIDTH = 100
+
+
+def elide(text: str, width: int) -> str:
+    """``text`` cut to its last ``width`` characters: a target's end (``util:checkpoint``) says the most,
+    and its package is already in the patch's name."""
+    return text if len(text) <= width else "..." + text[len(text) - width + 3:]
+
+
+def format_table(rows: list[tuple[str, ...]], *, wide: bool = False, width: int = WIDTH) -> str:
+    """``rows`` (the first one the header) as aligned columns, every line at most ``width`` wide.
+
+    The last column is the free text: it wraps under itself, or, when the other columns leave it too
+    little room, goes on indented lines of its own below its row; a fixed column too wide to fit is
+    cut at its start. ``wide=True`` puts every row on one line, however long (for logs and grep).
+    """
+    import textwrap
+
+    fixed = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
+    if wide:
+        return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, fixed)) + "  " + row[-1] for row in rows).rstrip()
+    while sum(fixed) + 2 * len(fixed) > width:  # a fixed column too wide: cut the widest
+        widest = fixed.index(max(fixed))
+        fixed[widest] -= sum(fixed) + 2 * len(fixed) - width
+        fixed[widest] = max(fixed[widest], 12)
+    indent = sum(fixed) + 2 * len(fixed)
+    below = width - indent < 32  # too little room beside: the free text goes under its row
+    free = width - 4 if below else width - indent
+    lines = []
+    for row in rows:
+        cells = "  ".join(elide(c, w).ljust(w) for c, w in zip(row, fixed))
+        text = textwrap.wrap(row[-1], free, break_on_hyphens=False) or [""]
+        if below and row is rows[0]:  # the header names the indented line's column too, if it fits
+            heading = cells.rstrip() + "  " + row[-1]
+            lines += [heading] if len(heading) <= width else [cells.rstrip(), "    " + row[-1]]
+        elif below:
+            lines.append(cells.rstrip())
+            lines += ["    " + part for part in text if part]
+        else:
+            lines.append((cells + "  " + text[0]).rstrip())
+            lines += [" " * indent + part for part in text[1:]]
+    return "\n".join(lines)
+
+
+def _importable(module: str) -> bool:
+    """Whether ``module``'s top-level package can be found here (found, not imported)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module.partition(".")[0]) is not None
+    except (ImportError, ValueError):
+        return False
+
+
 class Report(tuple):  # type: ignore[type-arg]
-    """A tuple of :class:`Record` that prints as a table."""
+    """A tuple of :class:`Record` that prints as a table (:meth:`table`)."""
 
     def __str__(self) -> str:
+        return self.table()
+
+    def table(self, *, all: bool = False, wide: bool = False) -> str:
+        """The records as a table that fits 100 columns (``wide=True``: one line per record).
+
+        Deferred records whose target package is not installed here are left out unless
+        ``all=True``: they only say that gradpatch is ready for a package this environment lacks.
+        """
         if not self:
             return "gradpatch: no patches selected"
+        shown = [r for r in self if all or r.status != Status.DEFERRED or _importable(r.target)]
         rows = [("patch", "status", "target", "reason")]
-        for record in self:
+        for record in shown:
             reason = record.reason
             if record.rebound:
                 reason += f" (rebound {', '.join(record.rebound)})"
             rows.append((record.patch, str(record.status), record.target, reason))
-        widths = [max(len(row[i]) for row in rows) for i in range(3)]
-        return "\n".join(
-            "  ".join(cell.ljust(width) for cell, width in zip(row[:3], widths)) + "  " + row[3]
-            for row in rows
-        ).rstrip()
+        hidden = len(self) - len(shown)
+        waiting = f"{hidden} deferred for packages not installed here (report().table(all=True) lists them)"
+        if not shown:
+            return f"gradpatch: {waiting}"
+        return format_table(rows, wide=wide) + (f"\n(and {waiting})" if hidden else "")
 
     def __repr__(self) -> str:
         return str(self)

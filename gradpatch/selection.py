@@ -52,7 +52,8 @@ def select(patches: dict[str, Patch], names: Iterable[object] = (), exclude: obj
                 close = difflib.get_close_matches(name, sorted(vocabulary), n=1)
                 hint = f"did you mean {close[0]!r}? " if close else ""
                 complain(ConfigWarning, f"gradpatch: unknown patch {raw!r} in {source}; {hint}"
-                         "`gradpatch list` shows every patch and upstream name")
+                         "`gradpatch list` shows every patch and upstream name",
+                         once=source.startswith("GRADPATCH"))  # the environment is read by every apply()
             chosen |= hits
         return chosen
 

@@ -2,7 +2,8 @@
 
 Fine-tuning part of a model is a ``requires_grad`` mask. Setting it by hand is easy to get silently
 wrong (a pattern that matches nothing trains nothing), so :func:`trainable` takes glob patterns over
-parameter names, reports any pattern that matched nothing, and returns a summary per top-level module.
+parameter names, refuses an include pattern that matches nothing before changing anything, and returns
+a summary per top-level module.
 """
 from __future__ import annotations
 
@@ -50,18 +51,31 @@ def trainable(model: torch.nn.Module, include: Iterable[str] = (), exclude: Iter
     With ``include``, exactly the parameters matching an include pattern and no exclude pattern
     train; without, every parameter trains except those matching ``exclude``. Patterns use
     :mod:`fnmatch` syntax on names from ``named_parameters()``, e.g. ``"*attn2*"`` (cross-attention in
-    CompVis-style UNets), ``"*.norm*"``, ``"input_blocks.*"``. A pattern that matches no parameter is
-    reported with a :class:`~gradpatch.ConfigWarning` (an error in strict mode) naming a few real
-    parameter names, because it almost always means a typo. ``verbose`` prints the summary.
+    CompVis-style UNets), ``"*.norm*"``, ``"input_blocks.*"``.
+
+    The patterns are checked before anything changes, because a pattern that matches no parameter
+    almost always means a typo. An ``include`` pattern that matches nothing raises ``ValueError``
+    and leaves every ``requires_grad`` flag as it was (applied anyway, it would silently train
+    less than asked, or nothing). An ``exclude`` pattern that matches nothing excludes nothing: it is
+    reported with a :class:`~gradpatch.ConfigWarning` (an error in strict mode) and the mask is set.
+    Both messages name a few real parameter names. ``verbose`` prints the summary.
     """
     include, exclude = tuple(include), tuple(exclude)
-    used: set[str] = set()
+    named = list(model.named_parameters())
+    used = {p for name, _ in named for p in include + exclude if fnmatch.fnmatchcase(name, p)}
+    examples = ", ".join(name for name, _ in named[:3])
+    missing = [p for p in include if p not in used]
+    if missing:
+        raise ValueError(f"gradpatch.trainable: include pattern {', '.join(map(repr, missing))} matched no "
+                         f"parameter of {type(model).__name__} (names look like: {examples}); nothing was "
+                         "changed. Patterns are fnmatch globs over named_parameters() names.")
     summary = TrainableSummary(0, 0, 0, 0)
-    for name, parameter in model.named_parameters():
-        included = _matches(name, include) if include else {"*"}
-        excluded = _matches(name, exclude)
-        used |= (included if include else set()) | excluded
-        train = bool(included) and not excluded
+    summary.unmatched = tuple(p for p in exclude if p not in used)
+    if summary.unmatched:
+        complain(ConfigWarning, f"gradpatch.trainable: {', '.join(map(repr, summary.unmatched))} matched no "
+                 f"parameter of {type(model).__name__} (names look like: {examples})")
+    for name, parameter in named:
+        train = (not include or bool(_matches(name, include))) and not _matches(name, exclude)
         parameter.requires_grad_(train)
         top = name.split(".", 1)[0]
         tensors, elements, total = summary.by_module.get(top, (0, 0, 0))
@@ -70,11 +84,6 @@ def trainable(model: torch.nn.Module, include: Iterable[str] = (), exclude: Iter
         summary.total_elements += parameter.numel()
         summary.trained_tensors += train
         summary.trained_elements += train * parameter.numel()
-    summary.unmatched = tuple(p for p in include + exclude if p not in used)
-    if summary.unmatched:
-        examples = ", ".join(name for name, _ in list(model.named_parameters())[:3])
-        complain(ConfigWarning, f"gradpatch.trainable: {', '.join(map(repr, summary.unmatched))} matched no "
-                 f"parameter of {type(model).__name__} (names look like: {examples})")
     if verbose:
         print(summary)
     return summary
