@@ -39,6 +39,63 @@ def audioldm_unet(seed: int = 0, **overrides: object) -> torch.nn.Module:
     return reinit_zero_weights(UNetModel(**{**AUDIOLDM_TINY, **overrides}), seed=seed)
 
 
+AUDIOLDM_FIRST_STAGE_TINY = dict(
+    embed_dim=4, image_key="fbank", subband=1,
+    ddconfig=dict(double_z=True, z_channels=4, resolution=32, in_channels=1, out_ch=1, ch=32, ch_mult=(1, 2),
+                  num_res_blocks=1, attn_resolutions=[], dropout=0.0))
+"""A tiny AudioLDM ``AutoencoderKL`` (32 channels: upstream's GroupNorm needs multiples of 32): 1 x 32 x 32
+mels to 4 x 16 x 16 latents, with a tiny HiFi-GAN vocoder (see :func:`audioldm_ldm`)."""
+
+
+def _tiny_vocoder(config: object, device: object) -> torch.nn.Module:
+    """Upstream's ``get_vocoder`` with a small HiFi-GAN config (32 mel bins, 32 channels): the full one
+    has 55M parameters and takes ~10 s to build; the vocoder is used only for waveforms."""
+    from audioldm import hifigan
+    from audioldm.hifigan.utilities import HIFIGAN_16K_64
+
+    tiny = dict(HIFIGAN_16K_64, num_mels=32, upsample_initial_channel=32, resblock_kernel_sizes=[3],
+                resblock_dilation_sizes=[[1, 3, 5]])
+    vocoder = hifigan.Generator(hifigan.AttrDict(tiny))
+    vocoder.eval()
+    vocoder.remove_weight_norm()
+    return vocoder.to(device)
+
+
+def audioldm_ldm(seed: int = 0, *, use_ema: bool = True, device: str = "cpu", **unet: object) -> torch.nn.Module:
+    """A real AudioLDM ``LatentDiffusion`` (PyPI audioldm), randomly initialised: the tiny UNet of
+    :func:`audioldm_unet` (FiLM conditioning, ``c`` of shape ``(batch, 1, 16)``), the tiny first stage
+    above, 4 x 16 x 16 latents, 1000-step linear schedule, EMA on by default. The first stage doubles
+    as conditioning stage (no CLAP, nothing downloaded); zero-initialised layers are re-initialised.
+    The UNet's parameters train; the first stage is frozen (upstream's choice). The vocoder is a small
+    HiFi-GAN built by upstream's code from a smaller config (upstream's builder is swapped for the
+    construction only)."""
+    from audioldm.ldm import LatentDiffusion
+    from audioldm.variational_autoencoder import autoencoder
+
+    torch.manual_seed(seed)
+    full_vocoder, autoencoder.get_vocoder = autoencoder.get_vocoder, _tiny_vocoder
+    try:
+        model = LatentDiffusion(
+            device=device, first_stage_config={"target": "audioldm.variational_autoencoder.autoencoder.AutoencoderKL",
+                                               "params": AUDIOLDM_FIRST_STAGE_TINY},
+            cond_stage_config="__is_first_stage__", conditioning_key="film", cond_stage_key="fbank",
+            first_stage_key="fbank", scale_factor=1.0, timesteps=1000, linear_start=0.0015, linear_end=0.0195,
+            channels=4, latent_t_size=16, latent_f_size=16, use_ema=use_ema, monitor=None,
+            unet_config={"target": "audioldm.latent_diffusion.openaimodel.UNetModel",
+                         "params": {**AUDIOLDM_TINY, **unet}})
+    finally:
+        autoencoder.get_vocoder = full_vocoder
+    reinit_zero_weights(model.model, seed=seed)
+    if use_ema:
+        model.model_ema = type(model.model_ema)(model.model)  # the EMA starts from the re-initialised weights
+    return model.to(device)
+
+
+def audioldm_cond(batch: int = 2, seed: int = 1) -> torch.Tensor:
+    """A FiLM conditioning for :func:`audioldm_ldm`: ``(batch, 1, 16)``."""
+    return torch.randn(batch, 1, 16, generator=torch.Generator().manual_seed(seed))
+
+
 def audioldm_batch(batch: int = 2, seed: int = 0, size: int = 16) -> dict[str, torch.Tensor]:
     """Synthetic inputs for :func:`audioldm_unet`: latents, timesteps, a FiLM embedding, a target."""
     generator = torch.Generator().manual_seed(seed)

@@ -1,0 +1,332 @@
+"""Differentiable native samplers of the CompVis latent-diffusion family (``ldm``, AudioLDM 1/2,
+AudioSR, ...): ``DDIMSampler``, ``PLMSSampler``, ``DPMSolverSampler``, ``DDPM``/``LatentDiffusion``.
+
+These codebases decorate nearly every method of a sampling call with ``@torch.no_grad()``: the public
+entry point (``DDIMSampler.sample``), the loop it calls (``ddim_sampling``), the step (``p_sample_ddim``)
+and the decoder (``decode_first_stage``). The fixes here are declared per method in ``patches/``, each
+method recognised by its own fingerprint; a target is one :class:`~gradpatch.registry.Patch` naming
+one of these factories:
+
+``entry`` (public entry points: ``DDIMSampler.sample``/``decode``/``stochastic_encode``,
+``LatentDiffusion.sample``/``p_sample_loop``/``sample_log``/``decode_first_stage``/...)
+    Adds keyword-only ``cache: bool = True``, ``grad_steps=None``, ``checkpoint_steps=False``.
+    ``cache=True`` calls the original decorated method: upstream's call, bitwise the same outputs.
+    ``cache=False`` runs the undecorated body under :func:`gradpatch.fixes.sampling.differentiable`:
+    grad on (also under an outer ``no_grad``), the diffusion model's ``eval()`` a no-op (modes as the
+    caller set them). While it runs, every method declared ``inner``/``step_*`` runs its undecorated
+    body too, and an entry point reached from the body *without* ``cache=`` (``sample_log`` creating a
+    ``DDIMSampler`` and calling its ``sample``) continues the same graph with the same options; cache=True
+    calls elsewhere (other threads, other tasks) are unaffected. Raises RuntimeError inside
+    ``torch.inference_mode()``, while an EMA scope of the model is active (see ``guard_ema_scope``), and
+    when ``grad_steps``/``checkpoint_steps`` were asked for but no denoiser evaluation went through them.
+``lifted_entry``
+    ``entry`` for a method whose body holds ``with torch.no_grad():`` (audioldm2's
+    ``decode_first_stage``): ``cache=False`` runs :func:`gradpatch.lift.lift_no_grad`'s copy. Recognise
+    it with :class:`gradpatch.lift.Liftable` so a source that cannot be lifted is skipped and reported.
+``inner`` (``ddim_sampling``, ``plms_sampling``, ``get_input``, ...)
+    The original, except inside a ``cache=False`` call with grad enabled, where the undecorated body.
+``step_by_index`` / ``step_by_timestep`` (``p_sample_ddim``, ``p_sample_plms``; ``p_sample``)
+    ``inner``, and the call marks one sampling step. A step is one call of this method, counted as
+    actually taken: the position is read from the call itself, as steps left after this one: the
+    ``index`` argument for DDIM/PLMS (upstream passes ``total_steps - i - 1``, whatever S+1 count its
+    schedule produced), the ``t`` argument for ancestral sampling (``reversed(range(T))``).
+``refuse_cache_false`` (``generate_sample*``)
+    Unchanged, but ``cache=False``/``grad_steps``/``checkpoint_steps`` (which upstream's ``**kwargs``
+    would swallow) raise :class:`NotDifferentiableError` naming what to call instead.
+``guard_ema_scope``, ``buffers_follow_model``
+    See their docstrings.
+
+Memory options. With ``grad_steps``/``checkpoint_steps``, for the duration of the call, the model's
+``apply_model`` (``model.model.forward`` for a pixel-space ``DDPM`` without one) is shadowed on the
+instance, in the caller's context only, so that each evaluation made inside a step goes through
+:func:`gradpatch.fixes.sampling.run_step`: ``grad_steps=K`` runs the evaluations of every step with
+K or more steps left under ``no_grad`` (the last K build the graph); ``checkpoint_steps=True``
+recomputes each evaluation in backward. Only the network evaluation is inside the recomputed region:
+the update of ``x``, PLMS's ``old_eps``, classifier-free guidance's combination and the schedules
+stay outside, so a recompute never advances sampler state. A step that evaluates the model twice
+(audioldm2's DDIM: unconditional, then conditional) runs both evaluations at that step's position.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import threading
+from contextvars import ContextVar
+from typing import Any, Callable, Iterator
+
+import torch
+
+from gradpatch.fixes.diffusers import NotDifferentiableError, no_grad_body
+from gradpatch.fixes.sampling import (SamplingOptions, SamplingRun, _current, _shadow, _with_keywords,
+                                      differentiable, run_step, sampling_options)
+
+_UNSET: Any = object()
+_run: ContextVar[SamplingRun | None] = ContextVar("gradpatch_ldm_run", default=None)
+_steps_left: ContextVar[Callable[[], int] | None] = ContextVar("gradpatch_ldm_step", default=None)
+
+# Models in a cache=False call, and models inside an EMA scope that swapped weights: id -> count.
+_lock = threading.Lock()
+_sampling: dict[int, int] = {}
+_in_ema: dict[int, int] = {}
+
+EMA_MESSAGE = (
+    "{what} while {model}.ema_scope() is active: ema_scope swaps the EMA weights in with .data.copy_ "
+    "and copies the live ones back on exit, so a graph built inside it and backpropagated after it "
+    "(or built outside and backpropagated inside) gets wrong gradients with no error. Sample with "
+    "cache=False outside ema_scope (the live weights); to differentiate through the EMA weights, copy "
+    "them into a model of their own: ema = copy.deepcopy(model); model.model_ema.copy_to(ema.model)."
+)
+
+
+def _active() -> SamplingRun | None:
+    """The ``cache=False`` call of this family in progress in this context, if grad is on."""
+    run = _run.get()
+    return run if run is not None and run is _current.get() and torch.is_grad_enabled() else None
+
+
+def _diffusion_model(obj: Any) -> Any:
+    """The ``DDPM``/``LatentDiffusion`` behind ``obj``: itself, or a sampler's ``.model``."""
+    if hasattr(obj, "apply_model") or hasattr(obj, "ema_scope"):
+        return obj
+    inner = getattr(obj, "model", None)
+    if hasattr(inner, "apply_model") or hasattr(inner, "ema_scope"):
+        return inner
+    return obj if isinstance(obj, torch.nn.Module) else None
+
+
+def _denoiser(model: Any) -> tuple[Any, str] | None:
+    """Where the network is evaluated: ``model.apply_model``, else ``model.model.forward``."""
+    if model is None:
+        return None
+    if callable(getattr(model, "apply_model", None)):
+        return model, "apply_model"
+    wrapper = getattr(model, "model", None)
+    return (wrapper, "forward") if isinstance(wrapper, torch.nn.Module) else None
+
+
+def _stepped(real: Callable[..., Any]) -> Callable[..., Any]:
+    def evaluate(*args: Any, **kwargs: Any) -> Any:
+        left, run = _steps_left.get(), _run.get()
+        if left is None or run is None or run is not _current.get():
+            return real(*args, **kwargs)  # outside a step, or a cache=True call in another context
+        remaining = left() if run.options.grad_steps is not None else 0
+        return run_step(0, remaining + 1, real, *args, **kwargs)  # no_grad iff remaining >= grad_steps
+
+    return evaluate
+
+
+@contextlib.contextmanager
+def _counted(table: dict[int, int], key: int) -> Iterator[None]:
+    with _lock:
+        table[key] = table.get(key, 0) + 1
+    try:
+        yield
+    finally:
+        with _lock:
+            table[key] -= 1
+            if not table[key]:
+                del table[key]
+
+
+@contextlib.contextmanager
+def _differentiable_call(owner: Any, name: str, options: SamplingOptions) -> Iterator[SamplingRun]:
+    model = _diffusion_model(owner)
+    if model is not None and id(model) in _in_ema:
+        raise RuntimeError(EMA_MESSAGE.format(what=f"{type(owner).__name__}.{name}(cache=False)",
+                                              model=type(model).__name__))
+    with contextlib.ExitStack() as stack:
+        run = stack.enter_context(differentiable(model, options))
+        stack.callback(_run.reset, _run.set(run))
+        if model is not None:
+            stack.enter_context(_counted(_sampling, id(model)))
+        if options.grad_steps is not None or options.checkpoint_steps:
+            where = _denoiser(model)
+            if where is None:
+                raise NotDifferentiableError(f"grad_steps/checkpoint_steps: {type(owner).__name__} has no "
+                                             "diffusion model with apply_model or a model.model network")
+            run.enter(stack, functools.partial(_shadow, *where, _stepped))
+        yield run
+
+
+def _entry(original: Callable[..., Any], body: Callable[..., Any]) -> Callable[..., Any]:
+    name = getattr(original, "__name__", "method")
+
+    @functools.wraps(original)
+    def method(self: Any, *args: Any, cache: bool = _UNSET, grad_steps: int | None = None,
+               checkpoint_steps: bool = False, **kwargs: Any) -> Any:
+        if cache is _UNSET and grad_steps is None and not checkpoint_steps and _active() is not None:
+            return body(self, *args, **kwargs)  # reached from a cache=False call: continue its graph
+        options = sampling_options(True if cache is _UNSET else bool(cache), grad_steps, checkpoint_steps)
+        if cache is _UNSET or cache:
+            return original(self, *args, **kwargs)
+        with _differentiable_call(self, name, options) as run:
+            out = body(self, *args, **kwargs)
+        if (grad_steps is not None or checkpoint_steps) and run.evaluations == 0:
+            raise RuntimeError(f"{type(self).__name__}.{name}: grad_steps/checkpoint_steps had no effect: no "
+                               "denoiser evaluation happened inside a sampling step of this call")
+        return out
+
+    method.__signature__ = _with_keywords(inspect.signature(original))  # type: ignore[attr-defined]
+    method.__wrapped__ = original  # type: ignore[attr-defined]
+    return method
+
+
+def _decorated_body(original: Callable[..., Any]) -> Callable[..., Any]:
+    body = no_grad_body(original)
+    if body is None:
+        raise TypeError(f"{getattr(original, '__qualname__', original)!r} is not decorated with "
+                        "@torch.no_grad(): nothing to unwrap (declare it with lifted_entry if its body "
+                        "holds the no_grad)")
+    return body
+
+
+def entry(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Fix factory: a ``@torch.no_grad()`` public entry point (module docstring). A new object per call."""
+    return _entry(original, _decorated_body(original))
+
+
+def lifted_entry(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Fix factory: an entry point whose body has an in-body ``with torch.no_grad():``; ``cache=False``
+    runs the lifted copy (decorators, if any, are not re-applied: the copy is the undecorated body)."""
+    from gradpatch.lift import lift_no_grad
+
+    return _entry(original, lift_no_grad(original))
+
+
+def _inner(original: Callable[..., Any], steps_left: Callable[[inspect.BoundArguments], int] | None) -> Callable[..., Any]:
+    body = _decorated_body(original)
+    signature = inspect.signature(body)
+
+    @functools.wraps(original)
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if _active() is None:
+            return original(self, *args, **kwargs)
+        if steps_left is None:
+            return body(self, *args, **kwargs)
+        bound = signature.bind(self, *args, **kwargs)
+        token = _steps_left.set(lambda: steps_left(bound))
+        try:
+            return body(self, *args, **kwargs)
+        finally:
+            _steps_left.reset(token)
+
+    return method
+
+
+def inner(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Fix factory: a ``@torch.no_grad()`` method reached from an entry point (module docstring)."""
+    return _inner(original, None)
+
+
+def _argument(bound: inspect.BoundArguments, name: str) -> Any:
+    if name not in bound.arguments:
+        bound.apply_defaults()
+    return bound.arguments[name]
+
+
+def step_by_index(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Fix factory: a sampling step whose ``index`` argument counts the steps left after it (DDIM's
+    ``p_sample_ddim``, PLMS's ``p_sample_plms``)."""
+    return _inner(original, lambda bound: int(_argument(bound, "index")))
+
+
+def step_by_timestep(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Fix factory: an ancestral sampling step whose ``t`` argument (a tensor of equal timesteps, or an
+    int) counts the steps left after it (``DDPM.p_sample``, ``LatentDiffusion.p_sample``)."""
+    return _inner(original, lambda bound: int(torch.as_tensor(_argument(bound, "t")).reshape(-1)[0]))
+
+
+def refuse_cache_false(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Fix factory for ``LatentDiffusion.generate_sample*``: they run inside ``ema_scope``, end in numpy
+    (``mel_spectrogram_to_waveform``) and pick candidates by ``argmax``, so no gradient can come out.
+    Calls without the new keywords are the original's; ``cache=False``, ``grad_steps`` or
+    ``checkpoint_steps`` (or any call from inside a ``cache=False`` call) raise instead of being
+    swallowed by ``**kwargs``."""
+    name = getattr(original, "__name__", "generate_sample")
+
+    @functools.wraps(original)
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        asked = kwargs.get("cache", True) is False or kwargs.get("grad_steps") is not None \
+            or kwargs.get("checkpoint_steps") or ("cache" not in kwargs and _active() is not None)
+        if asked:
+            raise NotDifferentiableError(
+                f"{type(self).__name__}.{name} cannot run with cache=False: it samples inside ema_scope, converts "
+                "the waveform to numpy and re-ranks candidates by argmax. For gradients call "
+                "sample_log(cond, batch_size, ddim=True, ddim_steps=..., cache=False) (or a sampler's "
+                "sample(..., cache=False)), then decode_first_stage(samples, cache=False), outside ema_scope.")
+        for key in ("cache", "grad_steps", "checkpoint_steps"):
+            kwargs.pop(key, None)
+        return original(self, *args, **kwargs)
+
+    return method
+
+
+def _bump_versions(model: Any) -> None:
+    """Mark every parameter as modified in place, so autograd refuses a graph that saved it before."""
+    for parameter in getattr(model, "model", model).parameters():
+        torch.autograd.graph.increment_version(parameter)
+
+
+def guard_ema_scope(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Fix factory for ``DDPM.ema_scope`` (a ``contextmanager`` swapping ``self.model``'s parameters
+    with ``.data.copy_``, which autograd cannot see). With ``use_ema`` on, the replacement
+
+    * refuses to start (RuntimeError, nothing swapped) while a ``cache=False`` call on this model is in
+      progress (an ``img_callback``, a score corrector, another thread), and makes ``cache=False`` calls
+      refuse to start while a scope is active (any thread: the weights are shared);
+    * bumps the autograd version counter of every swapped parameter after swapping in and after
+      restoring, so backpropagating a graph across the swap raises autograd's "modified by an inplace
+      operation" error instead of returning wrong gradients. This costs nothing numerically; a
+      graph built and backpropagated entirely inside (or entirely outside) a scope is unaffected.
+
+    The swap itself (upstream's code) is unchanged; with ``use_ema`` off the scope is upstream's.
+    """
+
+    @functools.wraps(original)
+    @contextlib.contextmanager
+    def ema_scope(self: Any, *args: Any, **kwargs: Any) -> Iterator[Any]:
+        if not getattr(self, "use_ema", False):
+            with original(self, *args, **kwargs) as value:
+                yield value
+            return
+        if id(self) in _sampling:
+            raise RuntimeError(EMA_MESSAGE.format(what="entering ema_scope during a cache=False call",
+                                                  model=type(self).__name__))
+        try:
+            with original(self, *args, **kwargs) as value:
+                _bump_versions(self)
+                with _counted(_in_ema, id(self)):
+                    yield value
+        finally:
+            _bump_versions(self)
+
+    return ema_scope
+
+
+def _device_of(model: Any) -> torch.device | None:
+    betas = getattr(model, "betas", None)
+    if isinstance(betas, torch.Tensor):
+        return betas.device
+    parameters = getattr(model, "parameters", None)
+    return next(iter(parameters()), torch.empty(0)).device if callable(parameters) else None
+
+
+def buffers_follow_model(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Fix factory for a sampler's ``register_buffer(self, name, attr)`` that moves every tensor to
+    ``cuda`` (CompVis SD1 and AudioLDM ``DDIMSampler``, audioldm2/AudioSR ``PLMSSampler``), which
+    crashes on a machine without CUDA and splits devices for a model elsewhere. The replacement moves
+    tensors to the device of ``self.model``'s schedule (``betas``, the device the sampling loop draws
+    its noise on; else its parameters'), so a CUDA model gets exactly upstream's buffers and a CPU
+    (or MPS) model gets its own; other values are stored as they are, as upstream does."""
+
+    @functools.wraps(original)
+    def register_buffer(self: Any, name: str, attr: Any) -> None:
+        device = _device_of(getattr(self, "model", None))
+        if device is None:
+            return original(self, name, attr)
+        if type(attr) == torch.Tensor and attr.device != device:  # noqa: E721 - upstream's exact test
+            attr = attr.to(device)
+        setattr(self, name, attr)
+
+    return register_buffer
