@@ -7,6 +7,7 @@ module of its codebase: its fingerprint and where it came from.
 MODULES = (
     "audioldm",
     "audioldm2",
+    "audiosr",
     "audioldm_train",
     "ldm",
     "comfy",
