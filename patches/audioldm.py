@@ -17,7 +17,9 @@ sampling works on CPU. Upstream's ``DDPM.sample`` reads ``channels`` before assi
 
 Fingerprints: every sampling target was hashed from PyPI audioldm 0.1.1 (``python -m
 gradpatch.fingerprint``); the catalogue survey found the same ``ddim_sampling`` (3dc729d7...) and
-``p_sample_ddim`` (7a771e24...) there and nowhere else. Tested against PyPI audioldm 0.1.1.
+``p_sample_ddim`` (7a771e24...) there and nowhere else. declare-lab/tango@34ecd38 vendors the same
+sampling code, except a ``tqdm(leave=False)`` in ``ddim_sampling`` (its own hash, declared). Tested
+against PyPI audioldm 0.1.1.
 """
 from ._families import checkpoint_family
 from ._ldm import DEVICE, EMA, ENTRY, INNER, REFUSE, STEP_BY_INDEX, STEP_BY_TIMESTEP, ldm_sampling
@@ -39,7 +41,10 @@ PATCHES += ldm_sampling("audioldm", [
     (f"{_DDIM}.sample", ENTRY, {"81cd664aac1147ea": _PYPI}),
     (f"{_DDIM}.decode", ENTRY, {"eb20bc6d347a0d73": _PYPI}),
     (f"{_DDIM}.stochastic_encode", ENTRY, {"56620495bcdadd57": _PYPI}),
-    (f"{_DDIM}.ddim_sampling", INNER, {"3dc729d70dfed2bf": _PYPI}),
+    (f"{_DDIM}.ddim_sampling", INNER, {"3dc729d70dfed2bf": _PYPI,
+                                       # tqdm(..., leave=False); the rest of tango's copies is audioldm 0.1.1's.
+                                       "56696c323a52dcfc": "declare-lab/tango@34ecd38 (audioldm/, "
+                                                           "mustango/audioldm/, tango2/audioldm/)"}),
     (f"{_DDIM}.p_sample_ddim", STEP_BY_INDEX, {"7a771e2410f3352b": _PYPI}),
     (f"{_DDPM}.sample", ENTRY, {"65121dff17f0534d": _PYPI}),
     (f"{_DDPM}.p_sample_loop", ENTRY, {"e3bcd5dbeee5d564": _PYPI}),
