@@ -1,8 +1,11 @@
 """Declaring the latent-diffusion family's sampling fixes (no logic, no torch).
 
-A target is ``(target, role, known)``: ``"module:Class.method"``, one of the roles below (the fix
-factories of :mod:`gradpatch.fixes.ldm_sampling`, documented there) and the fingerprints of that
-method, each with its provenance. Each target becomes one :class:`~gradpatch.registry.Patch` named
+A target is ``(target, role, known)`` or ``(target, role, known, fixed)``: ``"module:Class.method"``,
+one of the roles below (the fix factories of :mod:`gradpatch.fixes.ldm_sampling` and
+:mod:`gradpatch.fixes.ldm_guards`, documented there; a fix factory of your own is named by its dotted
+``"module:factory"`` path, e.g. one built with ``ldm_sampling.step_factory``),
+the fingerprints of that method, each with its provenance, and optionally fingerprints of versions
+already fixed upstream (left alone, reported as such). Each target becomes one :class:`~gradpatch.registry.Patch` named
 ``"<upstream>.<Class>.<method>"`` and recognised by its own fingerprint, so an edited method is left
 alone (with a warning) while its siblings are patched. ``LIFTED`` targets are recognised with
 :class:`gradpatch.lift.Liftable` (the fingerprint of the source the loaded code object points at).
@@ -16,6 +19,7 @@ from gradpatch.lift import Liftable
 from gradpatch.registry import Patch
 
 _FIX = "gradpatch.fixes.ldm_sampling"
+_GUARDS = "gradpatch.fixes.ldm_guards"
 
 ENTRY = "entry"
 LIFTED = "lifted_entry"
@@ -38,15 +42,17 @@ SUMMARIES = {
 }
 
 
-def ldm_sampling(upstream: str, targets: Iterable[tuple[str, str, Mapping[str, str]]], *,
-                 requires: str | None = None) -> list[Patch]:
-    """One :class:`Patch` per ``(target, role, known)``; see the module docstring."""
+def ldm_sampling(upstream: str, targets: Iterable[tuple], *, requires: str | None = None) -> list[Patch]:
+    """One :class:`Patch` per ``(target, role, known[, fixed])``; see the module docstring."""
     patches = []
-    for target, role, known in targets:
-        if role not in SUMMARIES:
-            raise ValueError(f"unknown role {role!r} for {target}; use one of {sorted(SUMMARIES)}")
-        recognise = Liftable(dict(known)) if role == LIFTED else Fingerprints(dict(known))
+    for target, role, known, *rest in targets:
+        if role not in SUMMARIES and ":" not in role:
+            raise ValueError(f"unknown role {role!r} for {target}; use one of {sorted(SUMMARIES)} "
+                             "or a 'module:factory' path")
+        fixed = dict(rest[0]) if rest else {}
+        recognise = Liftable(dict(known), fixed) if role == LIFTED else Fingerprints(dict(known), fixed)
         qualname = target.partition(":")[2]
-        patches.append(Patch(f"{upstream}.{qualname}", target, f"{_FIX}:{role}", recognise, upstream,
-                             SUMMARIES[role], requires))
+        fix = role if ":" in role else f"{_GUARDS if role in (REFUSE, EMA, DEVICE) else _FIX}:{role}"
+        summary = SUMMARIES.get(role, f"latent-diffusion sampling fix {role.rpartition(':')[2]}")
+        patches.append(Patch(f"{upstream}.{qualname}", target, fix, recognise, upstream, summary, requires))
     return patches

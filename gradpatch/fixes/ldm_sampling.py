@@ -30,11 +30,11 @@ one of these factories:
     actually taken: the position is read from the call itself, as steps left after this one: the
     ``index`` argument for DDIM/PLMS (upstream passes ``total_steps - i - 1``, whatever S+1 count its
     schedule produced), the ``t`` argument for ancestral sampling (``reversed(range(T))``).
-``refuse_cache_false`` (``generate_sample*``)
-    Unchanged, but ``cache=False``/``grad_steps``/``checkpoint_steps`` (which upstream's ``**kwargs``
-    would swallow) raise :class:`NotDifferentiableError` naming what to call instead.
-``guard_ema_scope``, ``buffers_follow_model``
-    See their docstrings.
+``refuse_cache_false``, ``guard_ema_scope``, ``buffers_follow_model``
+    In :mod:`gradpatch.fixes.ldm_guards`: ``generate_sample*`` refuse ``cache=False``; EMA weight
+    swaps and ``cache=False`` graphs exclude each other; sampler buffers follow the model's device.
+``step_factory``, ``at_step``
+    For step boundaries with other signatures (a fix module defines ``my_step = step_factory(...)``).
 
 Memory options. With ``grad_steps``/``checkpoint_steps``, for the duration of the call, the model's
 ``apply_model`` (``model.model.forward`` for a pixel-space ``DDPM`` without one) is shadowed on the
@@ -69,15 +69,6 @@ _steps_left: ContextVar[Callable[[], int] | None] = ContextVar("gradpatch_ldm_st
 _lock = threading.Lock()
 _sampling: dict[int, int] = {}
 _in_ema: dict[int, int] = {}
-
-EMA_MESSAGE = (
-    "{what} while {model}.ema_scope() is active: ema_scope swaps the EMA weights in with .data.copy_ "
-    "and copies the live ones back on exit, so a graph built inside it and backpropagated after it "
-    "(or built outside and backpropagated inside) gets wrong gradients with no error. Sample with "
-    "cache=False outside ema_scope (the live weights); to differentiate through the EMA weights, copy "
-    "them into a model of their own: ema = copy.deepcopy(model); model.model_ema.copy_to(ema.model)."
-)
-
 
 def _active() -> SamplingRun | None:
     """The ``cache=False`` call of this family in progress in this context, if grad is on."""
@@ -130,14 +121,25 @@ def _counted(table: dict[int, int], key: int) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def _current_call(run: SamplingRun) -> Iterator[None]:
+    token = _run.set(run)
+    try:
+        yield
+    finally:
+        _run.reset(token)
+
+
+@contextlib.contextmanager
 def _differentiable_call(owner: Any, name: str, options: SamplingOptions) -> Iterator[SamplingRun]:
     model = _diffusion_model(owner)
     if model is not None and id(model) in _in_ema:
+        from gradpatch.fixes.ldm_guards import EMA_MESSAGE
+
         raise RuntimeError(EMA_MESSAGE.format(what=f"{type(owner).__name__}.{name}(cache=False)",
                                               model=type(model).__name__))
     with contextlib.ExitStack() as stack:
         run = stack.enter_context(differentiable(model, options))
-        stack.callback(_run.reset, _run.set(run))
+        run.enter(stack, functools.partial(_current_call, run))  # also inside a checkpoint's recompute
         if model is not None:
             stack.enter_context(_counted(_sampling, id(model)))
         if options.grad_steps is not None or options.checkpoint_steps:
@@ -194,29 +196,47 @@ def lifted_entry(original: Callable[..., Any]) -> Callable[..., Any]:
     return _entry(original, lift_no_grad(original))
 
 
-def _inner(original: Callable[..., Any], steps_left: Callable[[inspect.BoundArguments], int] | None) -> Callable[..., Any]:
-    body = _decorated_body(original)
-    signature = inspect.signature(body)
+@contextlib.contextmanager
+def at_step(steps_left: Callable[[], int]) -> Iterator[None]:
+    """Mark the block as one sampling step, for step boundaries the factories below do not cover.
 
-    @functools.wraps(original)
-    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if _active() is None:
-            return original(self, *args, **kwargs)
-        if steps_left is None:
-            return body(self, *args, **kwargs)
-        bound = signature.bind(self, *args, **kwargs)
-        token = _steps_left.set(lambda: steps_left(bound))
-        try:
-            return body(self, *args, **kwargs)
-        finally:
-            _steps_left.reset(token)
-
-    return method
+    ``steps_left()`` returns how many steps come after this one (0 for the last); it is called only
+    when ``grad_steps`` is set, at the first model evaluation of the block. Every evaluation of the
+    diffusion model's ``apply_model`` inside the block runs at this position. Outside a ``cache=False``
+    call of this family the block is unaffected.
+    """
+    token = _steps_left.set(steps_left)
+    try:
+        yield
+    finally:
+        _steps_left.reset(token)
 
 
-def inner(original: Callable[..., Any]) -> Callable[..., Any]:
-    """Fix factory: a ``@torch.no_grad()`` method reached from an entry point (module docstring)."""
-    return _inner(original, None)
+def step_factory(steps_left: Callable[[inspect.BoundArguments], int] | None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """A fix factory for methods reached from an entry point: inside a ``cache=False`` call with grad
+    on, the method runs its undecorated body (a method without ``@torch.no_grad()`` runs as it is) and,
+    if ``steps_left`` is given, each call is one sampling step at the position ``steps_left(bound)``
+    computes from the call's bound arguments (defaults applied on demand); elsewhere the original runs.
+    The step factories below are built with it; a codebase with another step signature can define its
+    own in a fix module (``my_step = step_factory(lambda bound: ...)``) and name it in ``patches/``."""
+
+    def factory(original: Callable[..., Any]) -> Callable[..., Any]:
+        body = no_grad_body(original) or original
+        signature = inspect.signature(body)
+
+        @functools.wraps(original)
+        def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if _active() is None:
+                return original(self, *args, **kwargs)
+            if steps_left is None:
+                return body(self, *args, **kwargs)
+            bound = signature.bind(self, *args, **kwargs)
+            with at_step(lambda: steps_left(bound)):
+                return body(self, *args, **kwargs)
+
+        return method
+
+    return factory
 
 
 def _argument(bound: inspect.BoundArguments, name: str) -> Any:
@@ -225,108 +245,14 @@ def _argument(bound: inspect.BoundArguments, name: str) -> Any:
     return bound.arguments[name]
 
 
-def step_by_index(original: Callable[..., Any]) -> Callable[..., Any]:
-    """Fix factory: a sampling step whose ``index`` argument counts the steps left after it (DDIM's
-    ``p_sample_ddim``, PLMS's ``p_sample_plms``)."""
-    return _inner(original, lambda bound: int(_argument(bound, "index")))
+inner = step_factory(None)
+inner.__doc__ = "Fix factory: a ``@torch.no_grad()`` method reached from an entry point (module docstring)."
 
+step_by_index = step_factory(lambda bound: int(_argument(bound, "index")))
+step_by_index.__doc__ = """Fix factory: a sampling step whose ``index`` argument counts the steps left
+after it (DDIM's ``p_sample_ddim``, PLMS's ``p_sample_plms``)."""
 
-def step_by_timestep(original: Callable[..., Any]) -> Callable[..., Any]:
-    """Fix factory: an ancestral sampling step whose ``t`` argument (a tensor of equal timesteps, or an
-    int) counts the steps left after it (``DDPM.p_sample``, ``LatentDiffusion.p_sample``)."""
-    return _inner(original, lambda bound: int(torch.as_tensor(_argument(bound, "t")).reshape(-1)[0]))
-
-
-def refuse_cache_false(original: Callable[..., Any]) -> Callable[..., Any]:
-    """Fix factory for ``LatentDiffusion.generate_sample*``: they run inside ``ema_scope``, end in numpy
-    (``mel_spectrogram_to_waveform``) and pick candidates by ``argmax``, so no gradient can come out.
-    Calls without the new keywords are the original's; ``cache=False``, ``grad_steps`` or
-    ``checkpoint_steps`` (or any call from inside a ``cache=False`` call) raise instead of being
-    swallowed by ``**kwargs``."""
-    name = getattr(original, "__name__", "generate_sample")
-
-    @functools.wraps(original)
-    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
-        asked = kwargs.get("cache", True) is False or kwargs.get("grad_steps") is not None \
-            or kwargs.get("checkpoint_steps") or ("cache" not in kwargs and _active() is not None)
-        if asked:
-            raise NotDifferentiableError(
-                f"{type(self).__name__}.{name} cannot run with cache=False: it samples inside ema_scope, converts "
-                "the waveform to numpy and re-ranks candidates by argmax. For gradients call "
-                "sample_log(cond, batch_size, ddim=True, ddim_steps=..., cache=False) (or a sampler's "
-                "sample(..., cache=False)), then decode_first_stage(samples, cache=False), outside ema_scope.")
-        for key in ("cache", "grad_steps", "checkpoint_steps"):
-            kwargs.pop(key, None)
-        return original(self, *args, **kwargs)
-
-    return method
-
-
-def _bump_versions(model: Any) -> None:
-    """Mark every parameter as modified in place, so autograd refuses a graph that saved it before."""
-    for parameter in getattr(model, "model", model).parameters():
-        torch.autograd.graph.increment_version(parameter)
-
-
-def guard_ema_scope(original: Callable[..., Any]) -> Callable[..., Any]:
-    """Fix factory for ``DDPM.ema_scope`` (a ``contextmanager`` swapping ``self.model``'s parameters
-    with ``.data.copy_``, which autograd cannot see). With ``use_ema`` on, the replacement
-
-    * refuses to start (RuntimeError, nothing swapped) while a ``cache=False`` call on this model is in
-      progress (an ``img_callback``, a score corrector, another thread), and makes ``cache=False`` calls
-      refuse to start while a scope is active (any thread: the weights are shared);
-    * bumps the autograd version counter of every swapped parameter after swapping in and after
-      restoring, so backpropagating a graph across the swap raises autograd's "modified by an inplace
-      operation" error instead of returning wrong gradients. This costs nothing numerically; a
-      graph built and backpropagated entirely inside (or entirely outside) a scope is unaffected.
-
-    The swap itself (upstream's code) is unchanged; with ``use_ema`` off the scope is upstream's.
-    """
-
-    @functools.wraps(original)
-    @contextlib.contextmanager
-    def ema_scope(self: Any, *args: Any, **kwargs: Any) -> Iterator[Any]:
-        if not getattr(self, "use_ema", False):
-            with original(self, *args, **kwargs) as value:
-                yield value
-            return
-        if id(self) in _sampling:
-            raise RuntimeError(EMA_MESSAGE.format(what="entering ema_scope during a cache=False call",
-                                                  model=type(self).__name__))
-        try:
-            with original(self, *args, **kwargs) as value:
-                _bump_versions(self)
-                with _counted(_in_ema, id(self)):
-                    yield value
-        finally:
-            _bump_versions(self)
-
-    return ema_scope
-
-
-def _device_of(model: Any) -> torch.device | None:
-    betas = getattr(model, "betas", None)
-    if isinstance(betas, torch.Tensor):
-        return betas.device
-    parameters = getattr(model, "parameters", None)
-    return next(iter(parameters()), torch.empty(0)).device if callable(parameters) else None
-
-
-def buffers_follow_model(original: Callable[..., Any]) -> Callable[..., Any]:
-    """Fix factory for a sampler's ``register_buffer(self, name, attr)`` that moves every tensor to
-    ``cuda`` (CompVis SD1 and AudioLDM ``DDIMSampler``, audioldm2/AudioSR ``PLMSSampler``), which
-    crashes on a machine without CUDA and splits devices for a model elsewhere. The replacement moves
-    tensors to the device of ``self.model``'s schedule (``betas``, the device the sampling loop draws
-    its noise on; else its parameters'), so a CUDA model gets exactly upstream's buffers and a CPU
-    (or MPS) model gets its own; other values are stored as they are, as upstream does."""
-
-    @functools.wraps(original)
-    def register_buffer(self: Any, name: str, attr: Any) -> None:
-        device = _device_of(getattr(self, "model", None))
-        if device is None:
-            return original(self, name, attr)
-        if type(attr) == torch.Tensor and attr.device != device:  # noqa: E721 - upstream's exact test
-            attr = attr.to(device)
-        setattr(self, name, attr)
-
-    return register_buffer
+step_by_timestep = step_factory(lambda bound: int(torch.as_tensor(_argument(bound, "t")).reshape(-1)[0]))
+step_by_timestep.__doc__ = """Fix factory: an ancestral sampling step whose ``t`` argument (a tensor of
+equal timesteps, or an int) counts the steps left after it (``DDPM.p_sample``, ``LatentDiffusion.p_sample``;
+their loops run ``reversed(range(T))``)."""
