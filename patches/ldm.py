@@ -28,12 +28,11 @@ sdkit, which shares SD2's hashes for most targets (it differs in ``DPMSolverSamp
 ``DPM_Solver.sample``, ``DDIMSampler.decode`` and the ``register_buffer`` methods, which already follow
 the model's device there); the SD1 variants are separate hashes of the same shape.
 """
-from gradpatch.fingerprint import Fingerprints
 from gradpatch.lift import Liftable
 from gradpatch.registry import Patch
 
 from ._families import checkpoint_family
-from ._ldm import DEVICE, EMA, ENTRY, INNER, STEP_BY_INDEX, STEP_BY_TIMESTEP, SUMMARIES, ldm_sampling
+from ._ldm import DEVICE, EMA, ENTRY, INNER, STEP_BY_INDEX, STEP_BY_TIMESTEP, ldm_sampling
 
 PATCHES = checkpoint_family("ldm", "ldm.modules.diffusionmodules.util", {
     # CompVis/latent-diffusion and CompVis/stable-diffusion share history (e66308c7, 171cf29f; LF);
@@ -54,7 +53,16 @@ _SD1 = "CompVis/stable-diffusion@21f890f = CompVis/latent-diffusion@a506df5"
 _V2 = f"{_SDKIT} = {_SD2} = {_CN}"
 _ALL = f"{_V2} = {_SD1}"
 
+_SDKIT_DEVICE = {"920459e7fe10e930": f"{_SDKIT}: buffers already follow the model's device"}
+
 PATCHES += ldm_sampling("ldm", [
+    (f"{_DDIM}.register_buffer", DEVICE, {"2b2f59529f4c5212": _SD2, "890b0198f7cc2775": f"{_SD1} = {_CN}"},
+     _SDKIT_DEVICE),
+    (f"{_PLMS}.register_buffer", DEVICE, {"2b2f59529f4c5212": _SD2, "890b0198f7cc2775": f"{_SD1} = {_CN}"},
+     _SDKIT_DEVICE),
+    (f"{_DPMS}.register_buffer", DEVICE, {"2b2f59529f4c5212": _SD2,
+                                          "890b0198f7cc2775": f"CompVis/stable-diffusion@21f890f = {_CN}"},
+     _SDKIT_DEVICE),
     (f"{_DDIM}.sample", ENTRY, {"fbd4c5b88ce267f0": _V2, "52b6ad2bb29ace22": _SD1}),
     (f"{_DDIM}.encode", ENTRY, {"0911282aa5e02fb3": f"{_V2} = audioldm2 0.1.0"}),
     (f"{_DDIM}.decode", ENTRY, {"3e53d7a188c1eb9b": _SDKIT, "6151b2dde2ccd6a0": f"{_SD2} = {_CN}",
@@ -87,13 +95,3 @@ PATCHES.append(Patch(
               "80d4a48b32df4647": "CompVis/stable-diffusion@21f890f = AudioLDM-training-finetuning@702a638"}),
     "ldm", "runs with its in-body no_grad lifted inside a cache=False call; one step per model-function call",
     "stable-diffusion-sdkit<3"))
-
-# sdkit's samplers already move their buffers to the model's device: recognised as fixed, left alone.
-PATCHES += [
-    Patch(f"ldm.{cls.rpartition(':')[2]}.register_buffer", f"{cls}.register_buffer",
-          "gradpatch.fixes.ldm_sampling:buffers_follow_model",
-          Fingerprints({"2b2f59529f4c5212": _SD2, "890b0198f7cc2775": f"{_SD1} = {_CN}"},
-                       fixed={"920459e7fe10e930": f"{_SDKIT}: buffers already on the model's device"}),
-          "ldm", SUMMARIES[DEVICE], "stable-diffusion-sdkit<3")
-    for cls in (_DDIM, _PLMS, _DPMS)
-]

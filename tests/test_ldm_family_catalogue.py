@@ -74,8 +74,6 @@ def test_unpatched_plms_forces_cuda_and_the_patch_follows_the_model():
 
 @pytest.mark.parametrize("package", ["audioldm2", "audiosr"])
 def test_ema_scope_and_generate_refuse_cache_false(package):
-    from gradpatch.fixes.ldm_sampling import EMA_MESSAGE  # noqa: F401 - the guard this relies on
-
     model, cond, uncond = audioldm2_model(package)
     assert model.use_ema
     with gradpatch.applied(package):

@@ -29,7 +29,7 @@ import functools
 import inspect
 from typing import Any, Callable
 
-from gradpatch.fixes.ldm_sampling import _active, _steps_left
+from gradpatch.fixes.ldm_sampling import _active, at_step
 from gradpatch.lift import lift_no_grad
 
 COUNTED_METHODS = ("multistep", "singlestep")
@@ -63,11 +63,8 @@ def solver_sample(original: Callable[..., Any]) -> Callable[..., Any]:
         def counted(x: Any, t: Any) -> Any:
             calls[0] += 1
             left = 0 if total is None else total - calls[0]
-            token = _steps_left.set(lambda: left)
-            try:
+            with at_step(lambda: left):
                 return model(x, t)
-            finally:
-                _steps_left.reset(token)
 
         # An instance attribute of this solver only: DPMSolverSampler builds one per sampling call.
         self.model = counted
