@@ -136,3 +136,45 @@ def test_kagayoi_audiosr_is_recognised():
     assert len(records) == len([p for p in known_patches().values() if p.upstream == "audiosr"])
     for name, (status, variant) in records.items():
         assert status == "applied" and "kagayoi" in variant, (name, status, variant)
+
+
+@pytest.mark.parametrize("package,plms", [("audioldm2", False), ("audioldm2", True), ("sdkit", False)])
+def test_sample_log_continues_the_graph_of_its_sampler(package, plms):
+    """``sample_log(cache=False)`` builds its own sampler and calls ``sample`` without ``cache=``: that call
+    continues the same graph with the same options, and equals the sampler called directly. (sdkit's
+    ``sample_log`` has no PLMS branch.) Backward runs while the patches are applied: the UNet's
+    checkpoint calls are patched too, and a recompute must see the same code as the forward."""
+    if package == "sdkit":
+        from ldm.models.diffusion.ddim import DDIMSampler
+        from ldm.models.diffusion.plms import PLMSSampler
+
+        model, cond, uncond = sdkit_model()
+        guidance, upstream = dict(unconditional_guidance_scale=3.0, unconditional_conditioning=uncond), "ldm"
+    else:
+        from audioldm2.latent_diffusion.models.ddim import DDIMSampler
+        from audioldm2.latent_diffusion.models.plms import PLMSSampler
+
+        model, cond, uncond = audioldm2_model()
+        guidance, upstream = ({} if plms else dict(unconditional_guidance_scale=3.0, unconditional_conditioning=uncond),
+                              "audioldm2")
+    x_t = torch.randn((2, *LATENT), generator=torch.Generator().manual_seed(3))
+    extra = {"use_plms": True} if plms else {}
+    with gradpatch.applied(upstream):
+        logged, _ = model.sample_log(cond, 2, True, 4, x_T=x_t, cache=False, checkpoint_steps=True, **guidance, **extra)
+        direct, _ = (PLMSSampler if plms else DDIMSampler)(model).sample(4, 2, LATENT, cond, x_T=x_t, verbose=False,
+                                                                         cache=False, **guidance)
+        assert logged.grad_fn is not None
+        torch.testing.assert_close(logged, direct, rtol=0, atol=0)
+        logged.square().mean().backward()
+    assert all(p.grad is not None for p in model.model.parameters())
+
+
+@pytest.mark.parametrize("package", ["audioldm2", "audiosr"])
+def test_encode_first_stage_cache_false_lifts_its_no_grad(package):
+    model, _, _ = audioldm2_model(package)
+    mel = torch.randn(1, 1, 16, 16, requires_grad=True)
+    with gradpatch.applied(package):
+        assert model.encode_first_stage(mel).mean.grad_fn is None  # upstream's in-body no_grad
+        posterior = model.encode_first_stage(mel, cache=False)
+    posterior.mean.square().sum().backward()
+    assert mel.grad is not None and mel.grad.abs().sum() > 0
