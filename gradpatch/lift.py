@@ -18,8 +18,9 @@ only; the original object stays where it was.
 
 Trust. The source comes from the function's code object (``inspect.getsource`` on the unwrapped
 function, i.e. the file and first line the code records), and is used only if compiling it unchanged
-gives back the loaded bytecode (every nested code object compared): a file edited after import, a
-notebook cell or a ``.pyc`` without its source are refused. :class:`Liftable`, a recogniser for
+gives back the loaded code: the same instructions, names, variables and constants, nested code
+objects included (the method-call sequence, which differs between 3.11 micro releases, is
+normalised). A file edited after import and a ``.pyc`` without its source are refused. :class:`Liftable`, a recogniser for
 :class:`gradpatch.registry.Patch`, fingerprints that same source (the hash
 ``python -m gradpatch.fingerprint FILE Class.method`` prints) and reports anything else as unknown
 code, so the engine skips it with an :class:`~gradpatch.errors.UnknownCodeWarning` and records it like
@@ -38,7 +39,7 @@ import sys
 from types import CodeType, FunctionType, ModuleType
 from typing import Any, Callable, Mapping, NamedTuple
 
-from gradpatch.fingerprint import Fingerprints, Identity, fingerprint_source
+from gradpatch.fingerprint import Identity, fingerprint_source
 
 GRAD_OFF = frozenset({"torch.no_grad", "torch.autograd.no_grad", "torch.autograd.grad_mode.no_grad",
                       "torch.inference_mode", "torch.autograd.inference_mode",
@@ -46,7 +47,9 @@ GRAD_OFF = frozenset({"torch.no_grad", "torch.autograd.no_grad", "torch.autograd
 """Dotted names (after import aliases are resolved) of the context managers :func:`lift_no_grad` removes."""
 
 _OUTER = "__gradpatch_lift__"
-_FUTURE_FLAGS = 0x1000000 | 0x2000000 | 0x0400000  # CO_FUTURE_ANNOTATIONS, generator_stop, barry_as_FLUFL
+_FUTURE_FLAGS = 0
+for _feature in __import__("__future__").all_feature_names:  # the original's `from __future__` imports
+    _FUTURE_FLAGS |= getattr(__import__("__future__"), _feature).compiler_flag
 
 
 class LiftError(ValueError):
@@ -289,4 +292,4 @@ class Liftable(NamedTuple):
         return Identity("unknown", digest)
 
 
-__all__ = ["GRAD_OFF", "LiftError", "Liftable", "Fingerprints", "function_fingerprint", "lift_no_grad"]
+__all__ = ["GRAD_OFF", "LiftError", "Liftable", "function_fingerprint", "lift_no_grad"]

@@ -363,8 +363,10 @@ def test_catalogue_knows_the_git_variants():
     from gradpatch.fingerprint import fingerprint_source
 
     source = inspect.getsource(ddim)
-    head = source.replace('if attr.device != torch.device("cuda"):\n                attr = attr.to(torch.device("cuda"))',
-                          "if attr.device != self.model.device:\n                attr = attr.to(self.model.device)")
+    cuda = 'if attr.device != torch.device("cuda"):\n                attr = attr.to(torch.device("cuda"))'
+    head = source.replace(cuda,
+                          "if attr.device != self.model.device:\n"
+                          "                attr = attr.to(self.model.device)")
     tango = source.replace('iterator = tqdm(time_range, desc="DDIM Sampler", total=total_steps)',
                            'iterator = tqdm(time_range, desc="DDIM Sampler", total=total_steps, leave=False)')
     assert head != source and tango != source
@@ -373,3 +375,143 @@ def test_catalogue_knows_the_git_variants():
         patches["audioldm.DDIMSampler.register_buffer"].recognise.fixed
     assert "tango" in patches["audioldm.DDIMSampler.ddim_sampling"].recognise.known[
         fingerprint_source(tango, ["DDIMSampler.ddim_sampling"])]
+
+
+def test_img2img_path_and_first_stage_encode(model):
+    """``stochastic_encode`` + ``DDIMSampler.decode`` (img2img; a step = one ``p_sample_ddim``) and
+    ``encode_first_stage``, against upstream's bodies bound by hand."""
+    D = DDIMSampler
+    cond = audioldm_cond(1)
+    mel = torch.randn(1, 1, 32, 32, generator=torch.Generator().manual_seed(4))
+    raw = {name: inspect.unwrap(vars(D)[name]) for name in ("stochastic_encode", "decode")}
+    encode = inspect.unwrap(vars(LatentDiffusion)["encode_first_stage"])  # outside applied(): upstream's
+
+    def reference(no_grad_calls):
+        sampler = upstream_sampler(model)
+        sampler.make_schedule(STEPS, verbose=False)
+        x = mel.clone().requires_grad_(True)
+        torch.manual_seed(6)
+        with no_grad_first(model, no_grad_calls), torch.enable_grad():
+            z0 = encode(model, x).mode()
+            zt = raw["stochastic_encode"](sampler, z0, torch.tensor([4]))
+            out = raw["decode"](sampler, zt, cond, 5, unconditional_guidance_scale=2.0,
+                                unconditional_conditioning=torch.zeros_like(cond))
+            return _with_input_grad(model, loss_of(out), x)
+
+    with gradpatch.applied("audioldm"):
+        sampler = DDIMSampler(model)
+        sampler.make_schedule(STEPS, verbose=False)
+        x = mel.clone().requires_grad_(True)
+        torch.manual_seed(6)
+        z0 = model.encode_first_stage(x, cache=False).mode()
+        zt = sampler.stochastic_encode(z0, torch.tensor([4]), cache=False)
+        out = sampler.decode(zt, cond, 5, unconditional_guidance_scale=2.0,
+                             unconditional_conditioning=torch.zeros_like(cond), cache=False, grad_steps=2)
+        got = _with_input_grad(model, loss_of(out), x)
+        assert model.encode_first_stage(mel).mode().grad_fn is None  # cache=True: upstream's no_grad
+    assert_close_set(got, reference(no_grad_calls=3))
+
+
+def _with_input_grad(model, loss, x):
+    model.zero_grad(set_to_none=True)
+    x.grad = None
+    loss.backward()
+    return [p.grad.clone() for p in unet_params(model)] + [x.grad.clone()]
+
+
+def test_pixel_space_ddpm_loop():
+    """``DDPM.p_sample_loop`` (no ``apply_model``: the network is ``model.model``), a 4-step schedule."""
+    from audioldm.latent_diffusion.ddpm import DDPM
+    from gradpatch.testing import AUDIOLDM_TINY, reinit_zero_weights
+
+    unet = {**{k: v for k, v in AUDIOLDM_TINY.items() if not k.startswith("extra_film")},
+            "use_spatial_transformer": False}
+    torch.manual_seed(0)
+    ddpm = DDPM({"target": "audioldm.latent_diffusion.openaimodel.UNetModel", "params": unet}, timesteps=4,
+                channels=4, latent_t_size=16, latent_f_size=16, use_ema=False, monitor=None)
+    reinit_zero_weights(ddpm.model, seed=0)
+    loop, step = (inspect.unwrap(vars(DDPM)[n]) for n in ("p_sample_loop", "p_sample"))
+    torch.manual_seed(1)
+    with torch.enable_grad():
+        ddpm.p_sample = types.MethodType(step, ddpm)
+        calls = [0]
+
+        def pre(module, args):
+            calls[0] += 1
+            torch.set_grad_enabled(calls[0] > 2)
+
+        def post(*args):
+            torch.set_grad_enabled(True)
+
+        handles = [ddpm.model.register_forward_pre_hook(pre), ddpm.model.register_forward_hook(post)]
+        want = grads(ddpm, loop(ddpm, (1, *SHAPE)).square().mean())
+        for h in handles:
+            h.remove()
+        del ddpm.p_sample
+    with gradpatch.applied("audioldm"):
+        torch.manual_seed(1)
+        got = grads(ddpm, ddpm.p_sample_loop((1, *SHAPE), cache=False, grad_steps=2).square().mean())
+        assert "forward" not in vars(ddpm.model)
+    assert calls[0] == 4
+    assert_close_set(got, want)
+
+
+def test_a_concurrent_cache_true_call_is_unaffected(model):
+    """Thread A (cache=False, checkpoint_steps, grad_steps) holds its shadows on the model while thread
+    B samples the same model with cache=True: B gets upstream's output bit for bit, A the reference."""
+    import threading
+
+    cond = audioldm_cond(1)
+    torch.manual_seed(9)
+    want_b, _ = upstream_sampler(model, unwrapped=False).sample(**kwargs(cond))
+    want_a = reference_grads(model, cond, no_grad_calls=STEPS - 2)
+    inside, b_done, got = threading.Event(), threading.Event(), {}
+
+    def pause_a(module, args):
+        if threading.current_thread().name == "A" and not inside.is_set():
+            inside.set()
+            assert b_done.wait(60)
+
+    def run_a():
+        got["a"] = patched_grads(model, cond, grad_steps=2, checkpoint_steps=True)
+
+    def run_b():
+        assert inside.wait(60)
+        torch.manual_seed(9)  # the generator is global: A is paused, so B alone draws from it
+        got["b"], _ = DDIMSampler(model).sample(**kwargs(cond))
+        b_done.set()
+
+    handle = model.model.register_forward_pre_hook(pause_a)
+    try:
+        with gradpatch.applied("audioldm"):
+            threads = [threading.Thread(target=run_a, name="A"), threading.Thread(target=run_b, name="B")]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(120)
+    finally:
+        handle.remove()
+    assert torch.equal(got["b"], want_b) and got["b"].grad_fn is None
+    assert_close_set(got["a"], want_a)
+    assert not {"eval", "apply_model"} & vars(model).keys()
+
+
+def test_a_decorated_method_no_patch_covers_is_named(model):
+    """Every decorated method of AudioLDM's classes is declared (no warning); a subclass's own one is
+    named once, at its class's first cache=False call."""
+    import warnings
+
+    class MySampler(DDIMSampler):
+        @torch.no_grad()
+        def my_helper(self):
+            return None
+
+    cond = audioldm_cond(1)
+    with gradpatch.applied("audioldm"), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        DDIMSampler(model).sample(**kwargs(cond, S=2), cache=False)
+        assert not [w for w in caught if "not patched" in str(w.message)]
+        MySampler(model).sample(**kwargs(cond, S=2), cache=False)
+        MySampler(model).sample(**kwargs(cond, S=2), cache=False)
+    named = [str(w.message) for w in caught if "not patched" in str(w.message)]
+    assert len(named) == 1 and "MySampler.my_helper" in named[0], named

@@ -51,6 +51,16 @@ def make(k):
 def top(x):
     with th.no_grad():
         return x * 2
+
+
+class FirstStage(th.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.decoder = th.nn.Linear(3, 3)
+
+    def decode_first_stage(self, z):
+        with th.no_grad():
+            return self.decoder(z) * 2
 '''
 
 
@@ -140,3 +150,26 @@ def test_real_audioldm2_decode_first_stage():
     out.sum().backward()
     assert torch.equal(out.detach(), method(holder, z)) and z.grad is not None
     assert "with torch.no_grad" in textwrap.dedent(inspect.getsource(method))  # upstream file untouched
+
+
+def test_lifted_entry_patch_end_to_end(module, monkeypatch):
+    """A ``lifted_entry`` declared with ``Liftable``: applied and reported; cache=True is the original
+    (no graph), cache=False the lifted copy (gradients reach the weights); revert restores."""
+    from gradpatch import activation
+
+    original = vars(module.FirstStage)["decode_first_stage"]
+    known = {function_fingerprint(original): "liftee 1.0"}
+    patch = Patch("liftee.decode", "liftee:FirstStage.decode_first_stage", "gradpatch.fixes.ldm_sampling:lifted_entry",
+                  Liftable(known), "liftee", "lifted")
+    monkeypatch.setitem(activation.known_patches(), "liftee.decode", patch)
+    stage, z = module.FirstStage(), torch.randn(2, 3)
+    with gradpatch.applied("liftee") as report:
+        record = {r.patch: r for r in report}["liftee.decode"]
+        assert (record.status, record.variant) == ("applied", "liftee 1.0")
+        plain = stage.decode_first_stage(z)
+        with torch.no_grad():
+            out = stage.decode_first_stage(z, cache=False)
+        assert plain.grad_fn is None and out.grad_fn is not None and torch.equal(out.detach(), plain)
+        out.sum().backward()
+        assert stage.decoder.weight.grad is not None
+    assert vars(module.FirstStage)["decode_first_stage"] is original

@@ -61,9 +61,13 @@ def guard_ema_scope(original: Callable[..., Any]) -> Callable[..., Any]:
       progress (an ``img_callback``, a score corrector, another thread), and makes ``cache=False`` calls
       refuse to start while a scope is active (any thread: the weights are shared);
     * bumps the autograd version counter of every swapped parameter after swapping in and after
-      restoring, so backpropagating a graph across the swap raises autograd's "modified by an inplace
-      operation" error instead of returning wrong gradients. This costs nothing numerically; a
-      graph built and backpropagated entirely inside (or entirely outside) a scope is unaffected.
+      restoring, so backpropagating any graph that lives across a swap raises autograd's "modified by
+      an inplace operation" error instead of returning wrong gradients: built inside and
+      backpropagated after the scope (it used the EMA weights), or built before and backpropagated
+      inside (it reads them). It costs nothing numerically. A graph built and backpropagated entirely
+      inside a scope, or entirely outside any, is unaffected. Trade-off: a graph built before a scope
+      and backpropagated after it also raises, although the restore was exact and its gradients
+      would be right: call ``backward()`` before entering ``ema_scope`` (e.g. to log EMA samples).
 
     The swap itself (upstream's code) is unchanged; with ``use_ema`` off the scope is upstream's.
     """
@@ -102,8 +106,9 @@ def buffers_follow_model(original: Callable[..., Any]) -> Callable[..., Any]:
     ``cuda`` (CompVis SD1 and AudioLDM ``DDIMSampler``, audioldm2/AudioSR ``PLMSSampler``), which
     crashes on a machine without CUDA and splits devices for a model elsewhere. The replacement moves
     tensors to the device of ``self.model``'s schedule (``betas``, the device the sampling loop draws
-    its noise on; else its parameters'), so a CUDA model gets exactly upstream's buffers and a CPU
-    (or MPS) model gets its own; other values are stored as they are, as upstream does."""
+    its noise on; else its parameters'), so a CPU (or MPS, or second-GPU) model gets its own and a
+    model on the default CUDA device gets upstream's buffers exactly. Other values (numpy arrays) are
+    stored as they are, as upstream does."""
 
     @functools.wraps(original)
     def register_buffer(self: Any, name: str, attr: Any) -> None:

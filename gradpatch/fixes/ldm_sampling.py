@@ -70,10 +70,32 @@ _lock = threading.Lock()
 _sampling: dict[int, int] = {}
 _in_ema: dict[int, int] = {}
 
+
 def _active() -> SamplingRun | None:
     """The ``cache=False`` call of this family in progress in this context, if grad is on."""
     run = _run.get()
     return run if run is not None and run is _current.get() and torch.is_grad_enabled() else None
+
+
+_checked: set[type] = set()
+
+
+def _warn_uncovered(obj: Any) -> None:
+    """Once per class: name the ``@torch.no_grad()`` methods no patch replaced. The catalogue declares
+    every decorated method of a known class; one left over (a subclass's own, a new upstream method)
+    would cut the graph of a ``cache=False`` call that reaches it, so say so rather than stay silent."""
+    cls = type(obj)
+    if obj is None or cls in _checked:
+        return
+    _checked.add(cls)
+    left = sorted({f"{c.__qualname__}.{name}" for c in cls.__mro__ for name, value in vars(c).items()
+                   if no_grad_body(value) is not None and getattr(cls, name, None) is value})
+    if left:
+        from gradpatch.errors import UnknownCodeWarning, complain
+
+        complain(UnknownCodeWarning, f"gradpatch: {', '.join(left)} {'is' if len(left) == 1 else 'are'} "
+                 "@torch.no_grad() and not patched: a cache=False call that reaches "
+                 f"{'it' if len(left) == 1 else 'them'} gets no gradient through that part")
 
 
 def _diffusion_model(obj: Any) -> Any:
@@ -137,6 +159,8 @@ def _differentiable_call(owner: Any, name: str, options: SamplingOptions) -> Ite
 
         raise RuntimeError(EMA_MESSAGE.format(what=f"{type(owner).__name__}.{name}(cache=False)",
                                               model=type(model).__name__))
+    for obj in {id(owner): owner, id(model): model}.values():
+        _warn_uncovered(obj)
     with contextlib.ExitStack() as stack:
         run = stack.enter_context(differentiable(model, options))
         run.enter(stack, functools.partial(_current_call, run))  # also inside a checkpoint's recompute
@@ -212,7 +236,10 @@ def at_step(steps_left: Callable[[], int]) -> Iterator[None]:
         _steps_left.reset(token)
 
 
-def step_factory(steps_left: Callable[[inspect.BoundArguments], int] | None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+Factory = Callable[[Callable[..., Any]], Callable[..., Any]]
+
+
+def step_factory(steps_left: Callable[[inspect.BoundArguments], int] | None) -> Factory:
     """A fix factory for methods reached from an entry point: inside a ``cache=False`` call with grad
     on, the method runs its undecorated body (a method without ``@torch.no_grad()`` runs as it is) and,
     if ``steps_left`` is given, each call is one sampling step at the position ``steps_left(bound)``
