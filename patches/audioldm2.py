@@ -30,7 +30,8 @@ PATCHES = checkpoint_family("audioldm2", "audioldm2.latent_diffusion.modules.dif
 }, requires="audioldm2<1")
 
 _M = "audioldm2.latent_diffusion.models"
-_DDIM, _PLMS, _DDPM, _LDM = f"{_M}.ddim:DDIMSampler", f"{_M}.plms:PLMSSampler", f"{_M}.ddpm:DDPM", f"{_M}.ddpm:LatentDiffusion"
+_DDIM, _PLMS = f"{_M}.ddim:DDIMSampler", f"{_M}.plms:PLMSSampler"
+_DDPM, _LDM = f"{_M}.ddpm:DDPM", f"{_M}.ddpm:LatentDiffusion"
 _A2 = "audioldm2 0.1.0 = haoheliu/AudioLDM2@b5786c5"
 _SHARED = f"{_A2} = audiosr 0.0.7 = kagayoi-audiosr 1.0.2 = AudioLDM-training-finetuning@702a638"
 
@@ -51,6 +52,9 @@ PATCHES += ldm_sampling("audioldm2", [
     (f"{_DDPM}.p_sample_loop", ENTRY, {"e3bcd5dbeee5d564": f"{_SHARED} = CompVis/stable-diffusion@21f890f"}),
     (f"{_DDPM}.p_sample", STEP_BY_TIMESTEP, {"f3a209378c74b0da": _A2}),
     (f"{_DDPM}.ema_scope", EMA, {"c3f74c6f1df1147b": f"{_A2} = audiosr 0.0.7 = kagayoi-audiosr 1.0.2"}),
+    # Training and logging helpers, also @torch.no_grad(): declared so that none is left cutting a graph.
+    (f"{_DDPM}.log_images", INNER, {"eed93ef04f3a6366": f"{_SHARED} = stable-diffusion-sdkit 2.1.5"}),
+    (f"{_LDM}.on_train_batch_start", INNER, {"80bc9a4a9521658d": f"{_A2} = audiosr 0.0.7 = kagayoi-audiosr 1.0.2"}),
     (f"{_LDM}.sample", ENTRY, {"3480a2d7a886028b": _SHARED}),
     (f"{_LDM}.p_sample_loop", ENTRY, {"a5521aa3be654c4a": f"{_SHARED} = CompVis/stable-diffusion@21f890f"}),
     (f"{_LDM}.p_sample", STEP_BY_TIMESTEP, {"7ecab5fe7f9c0840": _A2}),

@@ -29,7 +29,8 @@ PATCHES = checkpoint_family("audioldm_train", "audioldm_train.utilities.diffusio
 })
 
 _M = "audioldm_train.modules.latent_diffusion"
-_DDIM, _PLMS, _DDPM, _LDM = f"{_M}.ddim:DDIMSampler", f"{_M}.plms:PLMSSampler", f"{_M}.ddpm:DDPM", f"{_M}.ddpm:LatentDiffusion"
+_DDIM, _PLMS = f"{_M}.ddim:DDIMSampler", f"{_M}.plms:PLMSSampler"
+_DDPM, _LDM = f"{_M}.ddpm:DDPM", f"{_M}.ddpm:LatentDiffusion"
 _DPMS = f"{_M}.dpm_solver.sampler:DPMSolverSampler"
 _T = "AudioLDM-training-finetuning@702a638"
 
@@ -51,6 +52,9 @@ PATCHES += ldm_sampling("audioldm_train", [
     (f"{_DDPM}.p_sample_loop", ENTRY, {"e3bcd5dbeee5d564": f"{_T} = audioldm2 0.1.0"}),
     (f"{_DDPM}.p_sample", STEP_BY_TIMESTEP, {"5fa33bec0ae182a8": _T}),
     (f"{_DDPM}.ema_scope", EMA, {"afccb50b09441242": f"{_T} = stable-diffusion-sdkit 2.1.5"}),
+    (f"{_DDPM}.validation_step", INNER, {"788336e3fe971715": _T}),
+    (f"{_DDPM}.log_images", INNER, {"eed93ef04f3a6366": f"{_T} = audioldm2 0.1.0"}),
+    (f"{_LDM}.on_train_batch_start", INNER, {"68c5ec12f1ba9d1c": _T}),
     (f"{_LDM}.sample", ENTRY, {"3480a2d7a886028b": f"{_T} = audioldm2 0.1.0"}),
     (f"{_LDM}.p_sample_loop", ENTRY, {"a5521aa3be654c4a": f"{_T} = audioldm2 0.1.0"}),
     (f"{_LDM}.p_sample", STEP_BY_TIMESTEP, {"5a6aae779f5d69e8": _T}),

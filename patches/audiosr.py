@@ -17,7 +17,8 @@ and transformers==4.30.2; its modules import on current versions).
 from ._ldm import DEVICE, EMA, ENTRY, INNER, LIFTED, REFUSE, STEP_BY_INDEX, STEP_BY_TIMESTEP, ldm_sampling
 
 _M = "audiosr.latent_diffusion.models"
-_DDIM, _PLMS, _DDPM, _LDM = f"{_M}.ddim:DDIMSampler", f"{_M}.plms:PLMSSampler", f"{_M}.ddpm:DDPM", f"{_M}.ddpm:LatentDiffusion"
+_DDIM, _PLMS = f"{_M}.ddim:DDIMSampler", f"{_M}.plms:PLMSSampler"
+_DDPM, _LDM = f"{_M}.ddpm:DDPM", f"{_M}.ddpm:LatentDiffusion"
 _SR = "audiosr 0.0.7 = kagayoi-audiosr 1.0.2"
 _A2 = f"{_SR} = audioldm2 0.1.0"
 
@@ -38,6 +39,9 @@ PATCHES = ldm_sampling("audiosr", [
     (f"{_DDPM}.p_sample_loop", ENTRY, {"e3bcd5dbeee5d564": _A2}),
     (f"{_DDPM}.p_sample", STEP_BY_TIMESTEP, {"3471205f0f28053f": _SR}),
     (f"{_DDPM}.ema_scope", EMA, {"c3f74c6f1df1147b": _A2}),
+    # Training and logging helpers, also @torch.no_grad(): declared so that none is left cutting a graph.
+    (f"{_DDPM}.log_images", INNER, {"eed93ef04f3a6366": _A2}),
+    (f"{_LDM}.on_train_batch_start", INNER, {"80bc9a4a9521658d": _A2}),
     (f"{_LDM}.sample", ENTRY, {"3480a2d7a886028b": _A2}),
     (f"{_LDM}.p_sample_loop", ENTRY, {"a5521aa3be654c4a": _A2}),
     (f"{_LDM}.p_sample", STEP_BY_TIMESTEP, {"e4e358fbd7268a44": _SR}),
@@ -45,5 +49,6 @@ PATCHES = ldm_sampling("audiosr", [
     (f"{_LDM}.sample_log", ENTRY, {"dc1b3b56e4a80772": _SR}),
     (f"{_LDM}.decode_first_stage", LIFTED, {"e4f7a6e779beb2bd": _A2}),
     (f"{_LDM}.encode_first_stage", LIFTED, {"f1d4b5ea526b470e": _A2}),
-    (f"{_LDM}.generate_batch", REFUSE, {"44f84f9fb9bb8284": "audiosr 0.0.7", "018639dfb1f61985": "kagayoi-audiosr 1.0.2"}),
+    (f"{_LDM}.generate_batch", REFUSE, {"44f84f9fb9bb8284": "audiosr 0.0.7",
+                                         "018639dfb1f61985": "kagayoi-audiosr 1.0.2"}),
 ])

@@ -46,7 +46,8 @@ PATCHES = checkpoint_family("ldm", "ldm.modules.diffusionmodules.util", {
 }, requires="stable-diffusion-sdkit<3")
 
 _M = "ldm.models.diffusion"
-_DDIM, _PLMS, _DDPM, _LDM = f"{_M}.ddim:DDIMSampler", f"{_M}.plms:PLMSSampler", f"{_M}.ddpm:DDPM", f"{_M}.ddpm:LatentDiffusion"
+_DDIM, _PLMS = f"{_M}.ddim:DDIMSampler", f"{_M}.plms:PLMSSampler"
+_DDPM, _LDM = f"{_M}.ddpm:DDPM", f"{_M}.ddpm:LatentDiffusion"
 _DPMS = f"{_M}.dpm_solver.sampler:DPMSolverSampler"
 _SDKIT, _SD2, _CN = "stable-diffusion-sdkit 2.1.5", "Stability-AI/stablediffusion@cf1d67a", "ControlNet@ed85cd1"
 _SD1 = "CompVis/stable-diffusion@21f890f = CompVis/latent-diffusion@a506df5"
@@ -79,6 +80,16 @@ PATCHES += ldm_sampling("ldm", [
     (f"{_DDPM}.p_sample_loop", ENTRY, {"e3bcd5dbeee5d564": f"{_ALL} = audioldm2 0.1.0"}),
     (f"{_DDPM}.p_sample", STEP_BY_TIMESTEP, {"abab388d99dfabbc": _ALL}),
     (f"{_DDPM}.ema_scope", EMA, {"afccb50b09441242": _ALL}),
+    # Training, logging and conditioning helpers, also @torch.no_grad(): declared so that none is left
+    # cutting the graph of a cache=False call that reaches it (get_input, get_unconditional_conditioning).
+    (f"{_DDPM}.init_from_ckpt", INNER, {"fe5c5acf54a9df62": _V2, "611beab222b9e378": _SD1}),
+    (f"{_DDPM}.validation_step", INNER, {"e5f1ec1460b49f7a": _ALL}),
+    (f"{_DDPM}.log_images", INNER, {"eed93ef04f3a6366": _ALL}),
+    (f"{_LDM}.on_train_batch_start", INNER, {"ef021d4fe66ada8f": _ALL}),
+    (f"{_LDM}.get_input", INNER, {"c971238ed02912d2": _V2, "9244524c46e38cc0": _SD1}),
+    (f"{_LDM}.get_unconditional_conditioning", INNER, {"6542b0bda67b1282": _V2}),
+    (f"{_LDM}.log_images", INNER, {"05f323c7ab13ed5a": _V2, "247d7cc82c4f47db": _SD1}),
+    (f"{_LDM}.to_rgb", INNER, {"9d592911e2cae0d7": _ALL}),
     (f"{_LDM}.sample", ENTRY, {"f1f7fa1a8735aeb7": _ALL}),
     (f"{_LDM}.p_sample_loop", ENTRY, {"a5521aa3be654c4a": f"{_ALL} = audioldm2 0.1.0"}),
     (f"{_LDM}.p_sample", STEP_BY_TIMESTEP, {"adb1d047f721fa58": _ALL}),

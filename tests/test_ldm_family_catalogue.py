@@ -104,7 +104,8 @@ def test_tango_vendored_ddim_sampling_is_declared():
     ``ddpm.py`` and ``ldm.py`` are byte-identical. The tango hash equals that edit of the installed file."""
     ddim = pytest.importorskip("audioldm.latent_diffusion.ddim")
     source = inspect.getsource(ddim)
-    edited = source.replace('desc="DDIM Sampler", total=total_steps)', 'desc="DDIM Sampler", total=total_steps, leave=False)')
+    edited = source.replace('desc="DDIM Sampler", total=total_steps)',
+                            'desc="DDIM Sampler", total=total_steps, leave=False)')
     assert edited != source
     digest = fingerprint_source(edited, ["DDIMSampler.ddim_sampling"])
     assert "tango" in known_patches()["audioldm.DDIMSampler.ddim_sampling"].recognise.known[digest]
@@ -178,3 +179,21 @@ def test_encode_first_stage_cache_false_lifts_its_no_grad(package):
         posterior = model.encode_first_stage(mel, cache=False)
     posterior.mean.square().sum().backward()
     assert mel.grad is not None and mel.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("upstream", list(MODULES))
+def test_no_decorated_method_of_the_model_is_left_unpatched(upstream):
+    """The first ``cache=False`` call names every ``@torch.no_grad()`` method of the model's class that no
+    patch replaced (Lightning's export helpers aside): here there is none."""
+    import warnings
+
+    from gradpatch.fixes import ldm_sampling
+
+    model, cond, _ = sdkit_model() if upstream == "ldm" else audioldm2_model(upstream)
+    ldm_sampling._checked.discard(type(model))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with gradpatch.applied(upstream):
+            model.sample(cond, batch_size=2, timesteps=2, verbose=False, cache=False)
+    assert type(model) in ldm_sampling._checked
+    assert not [str(w.message) for w in caught if "not patched" in str(w.message)]
