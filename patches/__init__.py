@@ -10,6 +10,7 @@ MODULES = (
     "audiosr",
     "audioldm_train",
     "ldm",
+    "controlnet",
     "comfy",
     "sgm",
     "guided_diffusion",
