@@ -71,10 +71,12 @@ def main() -> int:
     parser.add_argument("--steps", type=int, nargs="+", default=[32])
     parser.add_argument("--only", nargs="+", choices=sorted(CASES), default=sorted(CASES))
     parser.add_argument("--repeats", type=int, default=1, help="timed runs per mode (memory is deterministic)")
-    parser.add_argument("--quick", action="store_true", help="accepted for make bench; one run per mode")
+    parser.add_argument("--quick", action="store_true", help="make bench: audioldm2-ddim and sdkit-dpm only")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.quick:
+        args.only = ["audioldm2-ddim", "sdkit-dpm"]
     from gradpatch.testing_ldm import audioldm2_model, sdkit_model
 
     print(f"tiny LatentDiffusion, batch 2, 4x8x8 latents; forward + decode + backward with cache=False; "
