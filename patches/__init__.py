@@ -7,8 +7,10 @@ module of its codebase: its fingerprint and where it came from.
 MODULES = (
     "audioldm",
     "audioldm2",
+    "audiosr",
     "audioldm_train",
     "ldm",
+    "controlnet",
     "comfy",
     "sgm",
     "guided_diffusion",

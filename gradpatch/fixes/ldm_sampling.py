@@ -79,6 +79,9 @@ def _active() -> SamplingRun | None:
 
 
 _checked: set[type] = set()
+FRAMEWORKS = frozenset({"torch", "pytorch_lightning", "lightning"})
+"""Packages whose base classes' decorated methods (``LightningModule.to_onnx``/``to_torchscript``: model
+export, never reached by sampling) are not reported as uncovered."""
 
 
 def _warn_uncovered(obj: Any) -> None:
@@ -90,7 +93,8 @@ def _warn_uncovered(obj: Any) -> None:
         return
     _checked.add(cls)
     left = sorted({f"{c.__qualname__}.{name}" for c in cls.__mro__ for name, value in vars(c).items()
-                   if no_grad_body(value) is not None and getattr(cls, name, None) is value})
+                   if no_grad_body(value) is not None and getattr(cls, name, None) is value
+                   and c.__module__.partition(".")[0] not in FRAMEWORKS})
     if left:
         from gradpatch.errors import UnknownCodeWarning, complain
 
