@@ -46,8 +46,8 @@ class GradpatchError(RuntimeError):
 
 
 # Frames a warning should not point at: gradpatch itself, and the import machinery between the user's
-# ``import`` line and gradpatch's post-import hook (wrapt's importer, importlib).
-_MACHINERY = ("gradpatch", "wrapt", "importlib", "_frozen_importlib", "_frozen_importlib_external")
+# ``import`` line and gradpatch's post-import hook (importlib).
+_MACHINERY = ("gradpatch", "importlib", "_frozen_importlib", "_frozen_importlib_external")
 
 
 def _is_machinery(frame: object) -> bool:

@@ -39,7 +39,7 @@ def test_wheel_installs_activates_and_uninstalls_cleanly(built, tmp_path, fake_u
     python = venv / "bin" / "python"
     site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                                check=True, capture_output=True, text=True).stdout.strip())
-    # Reuse torch, wrapt and packaging from the test environment (sorted before gradpatch.pth).
+    # Reuse torch and packaging from the test environment (sorted before gradpatch.pth).
     (site / "aa_test_env.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     subprocess.run([str(python), "-m", "pip", "install", "--quiet", "--no-deps", "--no-index", str(built["wheel"])],
                    check=True)
