@@ -4,7 +4,7 @@
                          comma-separated list of patch or upstream names (``audioldm,f5_tts``).
 ``GRADPATCH_EXCLUDE``    comma-separated names to leave out.
 ``GRADPATCH_STRICT``     ``1``: raise instead of warning.
-``GRADPATCH_CHECKPOINT`` ``respect`` (default), ``always`` or ``never``.
+``GRADPATCH_CHECKPOINT`` ``respect`` (default), ``always``, ``never`` or ``budget:<size>`` (``budget:2GiB``).
 ``GRADPATCH_LOG``        a :mod:`logging` level name or number for the ``gradpatch`` logger.
 """
 from __future__ import annotations
@@ -50,9 +50,16 @@ def read() -> Environment:
     names = () if raw.lower() in _ALL or not enabled else _names(raw)
     checkpoint = os.environ.get("GRADPATCH_CHECKPOINT", "").strip().lower() or None
     if checkpoint is not None and checkpoint not in settings.CHECKPOINT_POLICIES:
-        complain(ConfigWarning, f"gradpatch: GRADPATCH_CHECKPOINT={checkpoint!r} is not one of "
-                 f"{', '.join(settings.CHECKPOINT_POLICIES)}; using 'respect'")
-        checkpoint = None
+        from gradpatch.budget import check_policy
+
+        try:
+            checkpoint = check_policy(checkpoint, settings.CHECKPOINT_POLICIES)
+        except ValueError as error:
+            reason = str(error).partition(": ")[2] if checkpoint.startswith("budget:") else ""
+            complain(ConfigWarning, f"gradpatch: GRADPATCH_CHECKPOINT={checkpoint!r} is not one of "
+                     f"{', '.join(settings.CHECKPOINT_POLICIES)} or budget:<size>"
+                     f"{'; ' + reason if reason else ''}; using 'respect'")
+            checkpoint = None
     return Environment(enabled, names, _names(os.environ.get("GRADPATCH_EXCLUDE", "")),
                        _flag("GRADPATCH_STRICT"), checkpoint, _log_level())
 

@@ -14,6 +14,9 @@ CHECKPOINT_POLICIES = ("respect", "always", "never")
 #: How the fixed OpenAI/CompVis ``checkpoint(func, inputs, params, flag)`` treats ``flag``:
 #: ``"respect"`` recomputes exactly when the caller asks, ``"always"`` recomputes even where the
 #: caller passed ``flag=False``, ``"never"`` runs ``func`` directly (faster, more memory).
+#: ``"budget:<size>"`` (``"budget:512MiB"``) keeps, among the blocks the caller asks to recompute,
+#: those that save the most time while keeping at most ``<size>`` bytes more activations than
+#: recomputing all of them (:mod:`gradpatch.fixes.checkpoint_budget`).
 checkpoint_policy = "respect"
 
 #: Raise :class:`gradpatch.GradpatchError` instead of warning (``apply(strict=True)``,
@@ -22,12 +25,13 @@ strict = False
 
 
 def set_checkpoint_policy(policy: str) -> str:
-    """Set the checkpoint policy; return the previous one. Takes effect on the next call."""
+    """Set the checkpoint policy (``"respect"``, ``"always"``, ``"never"`` or ``"budget:<size>"``);
+    return the previous one. Takes effect on the next call. ``ValueError`` for anything else."""
     global checkpoint_policy
     if policy not in CHECKPOINT_POLICIES:
-        raise ValueError(
-            f"unknown checkpoint policy {policy!r}; use one of {', '.join(CHECKPOINT_POLICIES)}"
-        )
+        from gradpatch.budget import check_policy
+
+        policy = check_policy(policy, CHECKPOINT_POLICIES)
     previous, checkpoint_policy = checkpoint_policy, policy
     return previous
 

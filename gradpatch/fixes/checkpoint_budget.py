@@ -1,0 +1,344 @@
+"""The ``budget:<size>`` checkpoint policy: measure each checkpointed block, then keep the ones that
+save the most time within the budget.
+
+A block is a module's method passed to :func:`gradpatch.fixes.checkpoint.checkpoint` with
+``flag=True`` (upstream's ``checkpoint(self._forward, inputs, self.parameters(), flag)``), at given
+input shapes, dtypes, devices and autocast state. Blocks the caller does not ask to checkpoint
+(``flag=False``) run directly, as under ``respect``; so do all blocks under ``no_grad``.
+
+**Measurement** (each block's first :data:`TIMING_CALLS` calls at new shapes). The block is
+checkpointed as under ``respect``, after one extra run of ``func`` in grad mode on detached inputs
+under :class:`torch.autograd.graph.saved_tensors_hooks` that count, once per storage, the bytes of
+the tensors autograd saves, leaving out the storages of its inputs and of its module's parameters
+and buffers (checkpointing keeps those anyway). That graph is dropped before the real call and
+the RNG state is rewound, so gradients are unchanged and the step's peak exceeds ``respect``'s by
+at most one block's activations. Timed (thread CPU time on one CPU thread, wall time after a
+device synchronisation otherwise): the checkpointed forward call, the recompute in backward, and
+the extra run (what running the block directly costs). What keeping a block saves is the first two
+minus the third, fastest of the measured calls each.
+
+**Plan.** Once every block has been measured at its current shapes (normally after the first
+:data:`TIMING_CALLS` training steps), a 0/1 knapsack (:func:`gradpatch.budget.choose`) picks the
+blocks to keep (run without recompute): the most seconds saved with at most ``<size>`` bytes kept.
+Kept blocks run ``func(*inputs)`` directly, exactly as under ``never``. When a block's input shapes
+change (batch size, resolution), it is checkpointed and measured again, and the plan is solved
+anew once all are measured: until then the step runs as ``respect``.
+
+Limits: only module methods are planned (other functions are always checkpointed); a block called
+more than once per step is counted once; the extra run repeats ``func``'s side effects (forward
+hooks, BatchNorm statistics) during measurement; shapes that change at every step are measured at
+every step and never get a plan; modules that stopped running but are alive still hold a share of
+the budget. The figures are estimates from one run: see :func:`checkpoint_plan`.
+"""
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from typing import Any, Callable, Iterable, NamedTuple
+
+import torch
+from torch import Tensor
+
+from gradpatch import budget
+from gradpatch.fixes.checkpoint import _checkpoint
+
+__all__ = ["checkpoint_plan", "Plan", "PlanEntry", "reset"]
+
+#: Calls measured per block before it is planned: the first one runs with cold caches.
+TIMING_CALLS = 2
+
+
+class _Block:
+    """One module method as seen by the planner, at its latest input signature."""
+
+    __slots__ = ("name", "order", "signature", "bytes", "forward", "recompute", "direct", "keep",
+                 "__weakref__")
+
+    def __init__(self, name: str, order: int) -> None:
+        self.name, self.order = name, order
+        self.signature: Any = None
+        self.reset(None)
+
+    def reset(self, signature: Any) -> None:
+        self.signature, self.bytes, self.keep = signature, None, False
+        self.forward: list[float] = []  # the checkpointed call in the forward
+        self.recompute: list[float] = []  # the recompute in backward
+        self.direct: list[float] = []  # the extra run with a graph: what keeping costs
+
+    @property
+    def measured(self) -> bool:
+        return self.bytes is not None and len(self.recompute) >= TIMING_CALLS
+
+    @property
+    def seconds(self) -> float:
+        """What keeping this block saves per call (0 until measured)."""
+        if not self.measured:
+            return 0.0
+        return max(min(self.forward) + min(self.recompute) - min(self.direct), 0.0)
+
+
+class _Planner:
+    def __init__(self) -> None:
+        self.blocks: weakref.WeakKeyDictionary[torch.nn.Module, dict[Any, _Block]] = \
+            weakref.WeakKeyDictionary()
+        self.count = 0
+        self.solved_for: int | None = None  # the budget of the current plan; None: none
+        self.kept_for: int | None = None  # the budget the blocks' keep flags were chosen for
+        self.plans: dict[int, list[tuple[_Block, bool]]] = {}  # budget -> plan, current shapes
+        self.lock = threading.Lock()
+
+    def block(self, owner: torch.nn.Module, function: Any) -> _Block:
+        with self.lock:
+            per_owner = self.blocks.setdefault(owner, {})
+            found = per_owner.get(function)
+            if found is None:
+                self.count += 1
+                name = f"{type(owner).__name__}.{getattr(function, '__name__', '?')}"
+                found = per_owner[function] = _Block(name, self.count)
+            return found
+
+    def live(self) -> list[tuple[torch.nn.Module, _Block]]:
+        return sorted(((owner, b) for owner, per_owner in list(self.blocks.items())
+                       for b in per_owner.values()), key=lambda pair: pair[1].order)
+
+    def solve(self, size: int) -> None:
+        """Choose the kept blocks if every block is measured at its current shapes."""
+        with self.lock:
+            blocks = [b for _, b in self.live()]
+            if not all(b.measured for b in blocks):
+                if size != self.kept_for:  # kept for another budget: recompute all meanwhile
+                    for b in blocks:
+                        b.keep = False
+                    self.kept_for = None
+                return
+            plan = self.plans.get(size)
+            if plan is None or len(plan) != len(blocks):
+                keep = budget.choose([budget.Item(b.bytes, b.seconds) for b in blocks], size)
+                plan = self.plans[size] = list(zip(blocks, keep))
+            for b, k in plan:
+                b.keep = k
+            self.solved_for = self.kept_for = size
+
+    def changed(self) -> None:
+        """A block is new or has new shapes: plans are void (the kept flags of the others stay:
+        their bytes did not change, so the kept total stays within the budget)."""
+        self.solved_for = None
+        self.plans.clear()
+
+
+_PLANNER = _Planner()
+
+
+def run(func: Callable[..., Any], args: tuple, kwargs: dict | None, params: Iterable[Tensor],
+        policy: str) -> Any:
+    """``checkpoint``'s work under ``policy = "budget:<size>"``, called with ``flag=True`` in grad
+    mode: ``func`` runs directly if the plan keeps it, checkpointed (and measured) otherwise."""
+    owner = getattr(func, "__self__", None)
+    function = getattr(func, "__func__", None)
+    if not isinstance(owner, torch.nn.Module) or function is None or \
+            torch.compiler.is_compiling():
+        return _checkpoint(func, args, kwargs, params)
+    block = _PLANNER.block(owner, function)
+    signature = _signature(args, kwargs)
+    if signature != block.signature:
+        block.reset(signature)
+        _PLANNER.changed()
+    size = budget.budget_bytes(policy)
+    if _PLANNER.solved_for != size and (block.measured or _PLANNER.kept_for not in (None, size)):
+        _PLANNER.solve(size)
+    if block.keep:
+        return func(*args, **(kwargs or {}))
+    if block.measured:
+        return _checkpoint(func, args, kwargs, params)
+    return _measure(block, owner, func, args, kwargs, params)
+
+
+def _signature(args: tuple, kwargs: dict | None) -> tuple:
+    values = args if kwargs is None else (*args, *kwargs.values())
+    return (torch.is_autocast_enabled("cpu"), torch.is_autocast_enabled("cuda"),
+            *[(v.shape, v.dtype, v.device, v.requires_grad) if isinstance(v, Tensor) else None
+              for v in values])
+
+
+def _clock(values: Iterable[Any]) -> Callable[[], float]:
+    """Thread CPU time on one CPU thread, which other processes disturb least; otherwise wall time,
+    after synchronising the inputs' CUDA devices (kernels run asynchronously)."""
+    devices = {v.device for v in values if isinstance(v, Tensor) and v.is_cuda}
+    if devices:
+        def clock() -> float:
+            for device in devices:
+                torch.cuda.synchronize(device)
+            return time.perf_counter()
+        return clock
+    return time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
+
+
+class _Timed:
+    """``func`` for the checkpoint: a bound-method look-alike (the checkpoint remembers what a
+    module's method declared by ``__self__``/``__func__``) that times the calls made after the
+    forward, which are recomputes."""
+
+    def __init__(self, func: Callable[..., Any], block: _Block, clock: Callable[[], float]):
+        self.__self__, self.__func__, self.__name__ = func.__self__, func.__func__, func.__name__
+        self.func, self.block, self.clock, self.recomputing = func, block, clock, False
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.recomputing:
+            return self.func(*args, **kwargs)
+        start = self.clock()
+        out = self.func(*args, **kwargs)
+        self.block.recompute.append(self.clock() - start)
+        return out
+
+
+def _measure(block: _Block, owner: torch.nn.Module, func: Callable[..., Any], args: tuple,
+             kwargs: dict | None, params: Iterable[Tensor]) -> Any:
+    values = args if kwargs is None else (*args, *kwargs.values())
+    clock = _clock(values)
+    if len(block.direct) < TIMING_CALLS:  # not forever if no backward comes
+        size, seconds = _direct_run(owner, func, args, kwargs, clock)
+        block.bytes = size if block.bytes is None else max(block.bytes, size)
+        block.direct.append(seconds)
+    timed = _Timed(func, block, clock)
+    start = clock()
+    out = _checkpoint(timed, args, kwargs, params)
+    block.forward.append(clock() - start)
+    timed.recomputing = True
+    return out
+
+
+def _direct_run(owner: torch.nn.Module, func: Callable[..., Any], args: tuple, kwargs: dict | None,
+                clock: Callable[[], float]) -> tuple[int, float]:
+    """Run ``func`` once with a graph, as if not checkpointed, and drop it: the bytes of the
+    storages autograd saved beyond the inputs, parameters and buffers, and the time taken."""
+    values = args if kwargs is None else (*args, *kwargs.values())
+    tensors = [v for v in values if isinstance(v, Tensor)]
+    held = {_storage(t)[0] for t in (*tensors, *owner.parameters(), *owner.buffers())}
+    saved: dict[Any, int] = {}
+
+    def pack(t: Tensor) -> Tensor:
+        key, size = _storage(t)
+        if key not in held:
+            saved[key] = max(saved.get(key, 0), size)
+        return t
+
+    def detach(v: Any) -> Any:
+        return v.detach().requires_grad_(v.requires_grad) if isinstance(v, Tensor) else v
+
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = [(d, torch.cuda.get_rng_state(d)) for d in sorted({t.get_device() for t in tensors
+                                                                   if t.is_cuda})]
+    try:
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, _same):
+            inputs = [detach(v) for v in args]
+            named = {k: detach(v) for k, v in (kwargs or {}).items()}
+            start = clock()
+            out = func(*inputs, **named)
+            seconds = clock() - start
+        del out, inputs, named  # frees the graph and what it saved
+    finally:
+        torch.set_rng_state(cpu_rng)
+        for device, state in cuda_rng:
+            torch.cuda.set_rng_state(state, device)
+    return sum(saved.values()), seconds
+
+
+def _same(t: Tensor) -> Tensor:
+    return t
+
+
+def _storage(t: Tensor) -> tuple[Any, int]:
+    try:
+        storage = t.untyped_storage()
+        return (storage.data_ptr(), t.device) if storage.data_ptr() else id(t), storage.nbytes()
+    except (RuntimeError, NotImplementedError, TypeError):  # no plain storage: count its elements
+        return id(t), t.nelement() * t.element_size()
+
+
+class PlanEntry(NamedTuple):
+    """One planned block: its name (module class and method, or path with ``model=``), the bytes
+    keeping its activations costs, the seconds its recompute costs per call, and whether the plan
+    recomputes it. ``None`` figures: not measured yet."""
+
+    name: str
+    bytes: int | None
+    recompute_seconds: float | None
+    recomputed: bool
+
+
+class Plan(tuple):  # type: ignore[type-arg]
+    """A tuple of :class:`PlanEntry`, in the order the blocks first ran, that prints as a table."""
+
+    policy: str
+    budget: int | None
+
+    @property
+    def kept_bytes(self) -> int:
+        return sum(e.bytes or 0 for e in self if not e.recomputed)
+
+    @property
+    def saved_seconds(self) -> float:
+        return sum(e.recompute_seconds or 0.0 for e in self if not e.recomputed)
+
+    @property
+    def complete(self) -> bool:
+        return bool(self) and all(e.bytes is not None and e.recompute_seconds is not None
+                                  for e in self)
+
+    def summary(self) -> str:
+        head = f"checkpoint policy {self.policy}"
+        if not self:
+            return f"{head}: no checkpointed block has run yet"
+        kept = sum(not e.recomputed for e in self)
+        if not self.complete:
+            return (f"{head}: measuring ({sum(e.recompute_seconds is not None for e in self)} of "
+                    f"{len(self)} blocks measured); every block is recomputed meanwhile")
+        return (f"{head}: {kept} of {len(self)} blocks kept, {_mib(self.kept_bytes)} of "
+                f"{_mib(self.budget or 0)}, saving about {self.saved_seconds * 1e3:.1f} ms a step")
+
+    def __str__(self) -> str:
+        width = max(len(e.name) for e in self) if self else 5
+        rows = [f"{'block':{width}} {'kept bytes':>12} {'recompute':>10}  plan"]
+        for e in self:
+            size = "?" if e.bytes is None else _mib(e.bytes)
+            time_ = "?" if e.recompute_seconds is None else f"{e.recompute_seconds * 1e3:.2f}ms"
+            rows.append(f"{e.name:{width}} {size:>12} {time_:>10}  "
+                        f"{'recompute' if e.recomputed else 'keep'}")
+        return "\n".join([self.summary(), *rows])
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+def _mib(size: int) -> str:
+    return f"{size / 2**20:.2f} MiB"
+
+
+def checkpoint_plan(model: torch.nn.Module | None = None) -> Plan:
+    """The current plan of the ``budget:<size>`` policy: every block it has seen, alive, with its
+    figures (estimates from the measured calls) and whether it is recomputed. With ``model``, only
+    that model's blocks, named by their path in it (``output_blocks.5.1.transformer_blocks.0``).
+    """
+    from gradpatch import settings
+
+    paths = {id(m): p for p, m in model.named_modules()} if model is not None else None
+    entries = []
+    for owner, block in _PLANNER.live():
+        if paths is not None and id(owner) not in paths:
+            continue
+        name = block.name if paths is None else f"{paths[id(owner)]}.{block.name.split('.')[-1]}"
+        entries.append(PlanEntry(name, block.bytes, block.seconds if block.measured else None,
+                                 not block.keep))
+    plan = Plan(entries)
+    plan.policy = settings.checkpoint_policy
+    plan.budget = budget.budget_bytes(plan.policy) if budget.is_budget(plan.policy) else None
+    return plan
+
+
+def reset() -> None:
+    """Forget every measurement and plan: the next steps measure again."""
+    with _PLANNER.lock:
+        _PLANNER.blocks = weakref.WeakKeyDictionary()
+        _PLANNER.solved_for = _PLANNER.kept_for = None
+        _PLANNER.plans.clear()
