@@ -21,8 +21,8 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 _SIZE = re.compile(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*", re.IGNORECASE)
 
-#: Byte resolution of the knapsack: item sizes are rounded up to budget / _STEPS, so a plan never
-#: exceeds its budget and forgoes at most (number of blocks) / _STEPS of it.
+#: Byte resolution of the fallback knapsack: item sizes are rounded up to budget / _STEPS, so a plan
+#: never exceeds its budget and forgoes at most (number of blocks) / _STEPS of it.
 _STEPS = 4096
 
 
@@ -74,31 +74,60 @@ class Item(NamedTuple):
 
 def choose(items: Sequence[Item], budget: int) -> list[bool]:
     """Which items to keep so that their seconds add up to the most while their bytes stay within
-    ``budget``: a 0/1 knapsack solved by dynamic programming over bytes rounded up to budget/4096
-    (exact in the number of bytes it promises; within about n/4096 of the budget of the best value).
-    Items that cost nothing are kept; items that save nothing are not."""
+    ``budget``: a 0/1 knapsack. Solved exactly over the Pareto frontier of (bytes, seconds) subsets,
+    which stays small for a few dozen blocks of a few distinct sizes; beyond :data:`_FRONTIER`
+    subsets, by dynamic programming over bytes rounded up to budget/4096 (never over the budget,
+    within about n/4096 of it of the best). Items that cost nothing are kept; items that save
+    nothing are not."""
     keep = [it.bytes <= 0 < it.seconds for it in items]
-    if budget <= 0:
-        return keep
+    candidates = [i for i, it in enumerate(items)
+                  if not keep[i] and 0 < it.seconds and it.bytes <= budget]
+    chosen = _frontier(items, candidates, budget)
+    if chosen is None:
+        chosen = _rounded(items, candidates, budget)
+    for i in chosen:
+        keep[i] = True
+    return keep
+
+
+#: Most subsets the exact solver tracks before it falls back to rounded sizes.
+_FRONTIER = 20000
+
+
+def _frontier(items: Sequence[Item], candidates: list[int], budget: int) -> list[int] | None:
+    front: list[tuple[int, float, int]] = [(0, 0.0, 0)]  # (bytes, seconds, bitmask of candidates)
+    for k, i in enumerate(candidates):
+        size, seconds = items[i]
+        grown = [(b + size, s + seconds, m | 1 << k) for b, s, m in front if b + size <= budget]
+        merged = sorted(front + grown, key=lambda f: (f[0], -f[1]))
+        front = []
+        for entry in merged:  # keep only subsets faster than every smaller one
+            if not front or entry[1] > front[-1][1]:
+                front.append(entry)
+        if len(front) > _FRONTIER:
+            return None
+    mask = max(front, key=lambda f: f[1])[2]
+    return [i for k, i in enumerate(candidates) if mask >> k & 1]
+
+
+def _rounded(items: Sequence[Item], candidates: list[int], budget: int) -> list[int]:
     unit = -(-budget // _STEPS)
     capacity = budget // unit
-    candidates = [(i, -(-it.bytes // unit), it.seconds) for i, it in enumerate(items)
-                  if not keep[i] and 0 < it.seconds and it.bytes <= budget]
     best = [0.0] * (capacity + 1)  # best[c]: most seconds within c units, over items so far
-    taken: list[bytearray] = []  # taken[k][c]: item k is in the best set for c units
-    for _, weight, seconds in candidates:
-        row = bytearray(capacity + 1)
+    taken: list[bytearray] = []  # taken[k][c]: candidate k is in the best set for c units
+    for i in candidates:
+        weight, seconds, row = -(-items[i].bytes // unit), items[i].seconds, bytearray(capacity + 1)
         for c in range(capacity, weight - 1, -1):
             value = best[c - weight] + seconds
             if value > best[c]:
                 best[c], row[c] = value, 1
         taken.append(row)
-    c = capacity
-    for (i, weight, _), row in zip(reversed(candidates), reversed(taken)):
+    chosen, c = [], capacity
+    for i, row in zip(reversed(candidates), reversed(taken)):
         if row[c]:
-            keep[i] = True
-            c -= weight
-    return keep
+            chosen.append(i)
+            c -= -(-items[i].bytes // unit)
+    return chosen
 
 
 def report_line() -> str:

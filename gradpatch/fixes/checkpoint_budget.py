@@ -10,7 +10,7 @@ input shapes, dtypes, devices and autocast state. Blocks the caller does not ask
 checkpointed as under ``respect``, after one extra run of ``func`` in grad mode on detached inputs
 under :class:`torch.autograd.graph.saved_tensors_hooks` that count, once per storage, the bytes of
 the tensors autograd saves, leaving out the storages of its inputs and of its module's parameters
-and buffers (checkpointing keeps those anyway). That graph is dropped before the real call and
+and buffers (checkpointing keeps those anyway) and less the CPU RNG state the checkpoint keeps. That graph is dropped before the real call and
 the RNG state is rewound, so gradients are unchanged and the step's peak exceeds ``respect``'s by
 at most one block's activations. Timed (thread CPU time on one CPU thread, wall time after a
 device synchronisation otherwise): the checkpointed forward call, the recompute in backward, and
@@ -241,7 +241,8 @@ def _direct_run(owner: torch.nn.Module, func: Callable[..., Any], args: tuple, k
         torch.set_rng_state(cpu_rng)
         for device, state in cuda_rng:
             torch.cuda.set_rng_state(state, device)
-    return sum(saved.values()), seconds
+    # Keeping the block also frees what its checkpoint holds besides the inputs: the RNG state.
+    return max(sum(saved.values()) - cpu_rng.nbytes, 0), seconds
 
 
 def _same(t: Tensor) -> Tensor:
