@@ -77,9 +77,9 @@ def choose(items: Sequence[Item], budget: int) -> list[bool]:
     ``budget``: a 0/1 knapsack. Solved exactly over the Pareto frontier of (bytes, seconds) subsets,
     which stays small for a few dozen blocks of a few distinct sizes; beyond :data:`_FRONTIER`
     subsets, by dynamic programming over bytes rounded up to budget/4096 (never over the budget,
-    within about n/4096 of it of the best). Items that cost nothing are kept; items that save
+    within about n/4096 of it of the best). Items that cost nothing are kept; others that save
     nothing are not."""
-    keep = [it.bytes <= 0 < it.seconds for it in items]
+    keep = [it.bytes <= 0 for it in items]
     candidates = [i for i, it in enumerate(items)
                   if not keep[i] and 0 < it.seconds and it.bytes <= budget]
     chosen = _frontier(items, candidates, budget)
@@ -111,6 +111,8 @@ def _frontier(items: Sequence[Item], candidates: list[int], budget: int) -> list
 
 
 def _rounded(items: Sequence[Item], candidates: list[int], budget: int) -> list[int]:
+    if not candidates:
+        return []
     unit = -(-budget // _STEPS)
     capacity = budget // unit
     best = [0.0] * (capacity + 1)  # best[c]: most seconds within c units, over items so far

@@ -86,6 +86,11 @@ class Report(tuple):  # type: ignore[type-arg]
     """A tuple of :class:`Record` that prints as a table."""
 
     def __str__(self) -> str:
+        from gradpatch.budget import report_line  # the checkpoint budget's plan, if that policy
+
+        return "\n".join(filter(None, [self._table(), report_line()]))
+
+    def _table(self) -> str:
         if not self:
             return "gradpatch: no patches selected"
         rows = [("patch", "status", "target", "reason")]

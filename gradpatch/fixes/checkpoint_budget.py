@@ -68,14 +68,18 @@ class _Block:
 
     @property
     def measured(self) -> bool:
-        return self.bytes is not None and len(self.recompute) >= TIMING_CALLS
+        # A block that keeps nothing (nothing in it requires grad) is never recomputed; nor is one
+        # whose output the loss does not use: it is measured when its forward calls are.
+        return self.bytes is not None and (len(self.recompute) >= TIMING_CALLS or self.bytes == 0
+                                           or len(self.forward) > 2 * TIMING_CALLS)
 
     @property
     def seconds(self) -> float:
         """What keeping this block saves per call (0 until measured)."""
-        if not self.measured:
+        if not self.measured or not self.forward:
             return 0.0
-        return max(min(self.forward) + min(self.recompute) - min(self.direct), 0.0)
+        recompute = min(self.recompute) if self.recompute else 0.0
+        return max(min(self.forward) + recompute - min(self.direct), 0.0)
 
 
 class _Planner:
@@ -221,7 +225,9 @@ def _direct_run(owner: torch.nn.Module, func: Callable[..., Any], args: tuple, k
         key, size = _storage(t)
         if key not in held:
             saved[key] = max(saved.get(key, 0), size)
-        return t
+        # Detached: an op's output saved as itself would form a cycle with its grad_fn, kept until
+        # the garbage collector runs. Holding the storage keeps the keys unique meanwhile.
+        return t.detach()
 
     def detach(v: Any) -> Any:
         return v.detach().requires_grad_(v.requires_grad) if isinstance(v, Tensor) else v
