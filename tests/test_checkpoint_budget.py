@@ -261,3 +261,4 @@ def test_report_and_doctor_show_the_plan(unet, capsys):
     err = capsys.readouterr().err
     assert "12 of 12 blocks kept" in err and "output_blocks.1.0._forward" in err
     assert budget.report_line() == ""
+    assert gradpatch.checkpoint_plan is planner.checkpoint_plan
