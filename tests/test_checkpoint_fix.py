@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch.testing import assert_close
 
 from gradpatch import settings
+from gradpatch.fixes import _recompute
 from gradpatch.fixes import checkpoint as ck
 
 torch.set_num_threads(1)
@@ -88,7 +89,7 @@ def run(model: nn.Module, impl: Callable, x: torch.Tensor, context=None, seed: i
 def paths(monkeypatch):
     """Count calls of each implementation path."""
     counts = {"fast": 0, "graph": 0}
-    fast_apply, graph = ck._Recompute.apply, ck._graph_path
+    fast_apply, graph = _recompute._Recompute.apply, ck._graph_path
 
     def counting_fast(*a):
         counts["fast"] += 1
@@ -98,7 +99,7 @@ def paths(monkeypatch):
         counts["graph"] += 1
         return graph(*a)
 
-    monkeypatch.setattr(ck._Recompute, "apply", counting_fast)
+    monkeypatch.setattr(_recompute._Recompute, "apply", counting_fast)
     monkeypatch.setattr(ck, "_graph_path", counting_graph)
     return counts
 
@@ -242,7 +243,8 @@ def test_declared_parameters_with_closure_parameter_in_a_module(paths):
     want_lora, lora.grad = lora.grad.clone(), None
     assert_grads_equal(run(model, ck.checkpoint, x), want)
     assert_close(lora.grad, want_lora, **TOL)
-    assert paths["graph"] == 1 and paths["fast"] == 1  # block 2 has no hook: fast path
+    # The hook's parameter is a leaf: the forward's graph names it, so both blocks take the fast path.
+    assert paths == {"fast": 2, "graph": 0}
 
 
 @pytest.mark.parametrize("frozen", ["all-trainable", "first-linear"])
@@ -579,23 +581,27 @@ def test_factories_and_stale_upstream_reference(monkeypatch):
     assert torch.equal(made[4](lambda x: x * 2, inputs, (), True), inputs["x"] * 2)
 
 
-def test_declared_parameters_are_remembered_but_never_trusted(paths):
-    """Upstream passes module.parameters() at every call; iterating it costs as much as the rest
-    of the bookkeeping, so the fix reuses the previous call's list. Staleness must not matter."""
+def test_declared_parameters_are_not_trusted(paths):
+    """What ``params`` declares is not used: a stale, empty or wrong list changes nothing, and each
+    call runs ``func`` exactly twice (forward, recompute)."""
     model = make()
     x = torch.randn(3, 4, 8)
     assert_grads_equal(run(model, ck.checkpoint, x), run(model, no_checkpoint, x))
     torch.manual_seed(3)
-    model[1].fc1 = nn.Linear(8, 16)  # the remembered list of block 1 now holds the old layer
+    old_fc1 = model[1].fc1
+    model[1].fc1 = nn.Linear(8, 16)
+    old_fc1.zero_grad(set_to_none=True)
     want = run(model, no_checkpoint, x)
     calls = []
     model[1].fc2.register_forward_pre_hook(lambda m, a: calls.append(1))
-    for runs in (3, 2):  # stale list: probe, probe with the caller's params, recompute; then 2
+    for declared in (lambda b: old_fc1.parameters(), lambda b: (), lambda b: b.parameters()):
         calls.clear()
-        assert_grads_equal(run(model, ck.checkpoint, x), want)
-        assert len(calls) == runs
-    model[2].fc2.requires_grad_(False)  # frozen after being remembered as trainable
+        assert_grads_equal(run(model, lambda f, i, p, flag: ck.checkpoint(f, i, declared(f.__self__), flag), x),
+                           want)
+        assert len(calls) == 2
+    assert old_fc1.weight.grad is None
+    model[2].fc2.requires_grad_(False)  # frozen after a call
     model[2].norm.weight.requires_grad_(True)
     want = run(model, no_checkpoint, x)
     assert_grads_equal(run(model, ck.checkpoint, x), want)
-    assert paths == {"fast": 8, "graph": 0}
+    assert paths == {"fast": 10, "graph": 0}

@@ -7,15 +7,14 @@ input shapes, dtypes, devices and autocast state. Blocks the caller does not ask
 (``flag=False``) run directly, as under ``respect``; so do all blocks under ``no_grad``.
 
 **Measurement** (each block's first :data:`TIMING_CALLS` calls at new shapes). The block is
-checkpointed as under ``respect``, after one extra run of ``func`` in grad mode on detached inputs
-under :class:`torch.autograd.graph.saved_tensors_hooks` that count, once per storage, the bytes of
-the tensors autograd saves, leaving out the storages of its inputs and of its module's parameters
-and buffers (checkpointing keeps those anyway) and less the CPU RNG state the checkpoint keeps. That graph is dropped before the real call and
-the RNG state is rewound, so gradients are unchanged and the step's peak exceeds ``respect``'s by
-at most one block's activations. Timed (thread CPU time on one CPU thread, wall time after a
-device synchronisation otherwise): the checkpointed forward call, the recompute in backward, and
-the extra run (what running the block directly costs). What keeping a block saves is the first two
-minus the third, fastest of the measured calls each.
+checkpointed as under ``respect``. The checkpoint's forward runs ``func`` as the caller would,
+building its graph before dropping it; during it, :class:`torch.autograd.graph.saved_tensors_hooks`
+count, once per storage, the bytes of the tensors autograd saves, leaving out the storages of the
+inputs and of the module's parameters and buffers (kept anyway) and less the CPU RNG state the
+checkpoint keeps: what keeping the block keeps. No extra run and no extra memory: gradients and the
+step's peak are ``respect``'s. Timed (thread CPU time on one CPU thread, wall time after a device
+synchronisation otherwise): the recompute in backward, and the checkpoint's forward call beyond
+``func`` itself; their sum, fastest of the measured calls each, is what keeping the block saves.
 
 **Plan.** Once every block has been measured at its current shapes (normally after the first
 :data:`TIMING_CALLS` training steps), a 0/1 knapsack (:func:`gradpatch.budget.choose`) picks the
@@ -25,9 +24,8 @@ change (batch size, resolution), it is checkpointed and measured again, and the 
 anew once all are measured: until then the step runs as ``respect``.
 
 Limits: only module methods are planned (other functions are always checkpointed); a block called
-more than once per step is counted once; the extra run repeats ``func``'s side effects (forward
-hooks, BatchNorm statistics) during measurement; shapes that change at every step are measured at
-every step and never get a plan; modules that stopped running but are alive still hold a share of
+more than once per step is counted once; shapes that change at every step are measured at every
+step and never get a plan; modules that stopped running but are alive still hold a share of
 the budget. The figures are estimates from one run: see :func:`checkpoint_plan`.
 """
 from __future__ import annotations
@@ -41,18 +39,20 @@ import torch
 from torch import Tensor
 
 from gradpatch import budget
+from gradpatch.fixes._compat import is_compiling
 from gradpatch.fixes.checkpoint import _checkpoint
 
 __all__ = ["checkpoint_plan", "Plan", "PlanEntry", "reset"]
 
 #: Calls measured per block before it is planned: the first one runs with cold caches.
 TIMING_CALLS = 2
+_RNG_BYTES = torch.get_rng_state().nbytes  # what the checkpoint saves per call besides the inputs
 
 
 class _Block:
     """One module method as seen by the planner, at its latest input signature."""
 
-    __slots__ = ("name", "order", "signature", "bytes", "forward", "recompute", "direct", "keep",
+    __slots__ = ("name", "order", "signature", "bytes", "forward", "overhead", "recompute", "keep",
                  "__weakref__")
 
     def __init__(self, name: str, order: int) -> None:
@@ -62,24 +62,24 @@ class _Block:
 
     def reset(self, signature: Any) -> None:
         self.signature, self.bytes, self.keep = signature, None, False
-        self.forward: list[float] = []  # the checkpointed call in the forward
+        self.forward: list[float] = []  # func in the checkpoint's forward
+        self.overhead: list[float] = []  # the checkpointed forward call beyond func itself
         self.recompute: list[float] = []  # the recompute in backward
-        self.direct: list[float] = []  # the extra run with a graph: what keeping costs
 
     @property
     def measured(self) -> bool:
         # A block that keeps nothing (nothing in it requires grad) is never recomputed; nor is one
         # whose output the loss does not use: it is measured when its forward calls are.
         return self.bytes is not None and (len(self.recompute) >= TIMING_CALLS or self.bytes == 0
-                                           or len(self.forward) > 2 * TIMING_CALLS)
+                                           or len(self.overhead) > 2 * TIMING_CALLS)
 
     @property
     def seconds(self) -> float:
-        """What keeping this block saves per call (0 until measured)."""
-        if not self.measured or not self.forward:
+        """What keeping this block saves per call: its recompute and the checkpoint's own work in
+        the forward (0 until measured)."""
+        if not self.measured:
             return 0.0
-        recompute = min(self.recompute) if self.recompute else 0.0
-        return max(min(self.forward) + recompute - min(self.direct), 0.0)
+        return (min(self.recompute) if self.recompute else 0.0) + min(self.overhead)
 
 
 class _Planner:
@@ -134,15 +134,13 @@ class _Planner:
 _PLANNER = _Planner()
 
 
-def run(func: Callable[..., Any], args: tuple, kwargs: dict | None, params: Iterable[Tensor],
-        policy: str) -> Any:
+def run(func: Callable[..., Any], args: tuple, kwargs: dict | None, policy: str) -> Any:
     """``checkpoint``'s work under ``policy = "budget:<size>"``, called with ``flag=True`` in grad
     mode: ``func`` runs directly if the plan keeps it, checkpointed (and measured) otherwise."""
     owner = getattr(func, "__self__", None)
     function = getattr(func, "__func__", None)
-    if not isinstance(owner, torch.nn.Module) or function is None or \
-            torch.compiler.is_compiling():
-        return _checkpoint(func, args, kwargs, params)
+    if not isinstance(owner, torch.nn.Module) or function is None or is_compiling():
+        return _checkpoint(func, args, kwargs)
     block = _PLANNER.block(owner, function)
     signature = _signature(args, kwargs)
     if signature != block.signature:
@@ -154,8 +152,8 @@ def run(func: Callable[..., Any], args: tuple, kwargs: dict | None, params: Iter
     if block.keep:
         return func(*args, **(kwargs or {}))
     if block.measured:
-        return _checkpoint(func, args, kwargs, params)
-    return _measure(block, owner, func, args, kwargs, params)
+        return _checkpoint(func, args, kwargs)
+    return _measure(block, func, args, kwargs)
 
 
 def _signature(args: tuple, kwargs: dict | None) -> tuple:
@@ -178,77 +176,61 @@ def _clock(values: Iterable[Any]) -> Callable[[], float]:
     return time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
 
 
-class _Timed:
-    """``func`` for the checkpoint: a bound-method look-alike (the checkpoint remembers what a
-    module's method declared by ``__self__``/``__func__``) that times the calls made after the
-    forward, which are recomputes."""
+class _Measured:
+    """``func`` as the checkpoint sees it while a block is measured: a bound-method look-alike (the
+    checkpoint remembers a module's method by ``__self__``/``__func__``). Its first call is the
+    checkpoint's forward, which builds ``func``'s graph as the caller would: the bytes autograd saves
+    there are counted and the call timed. Calls after the checkpoint returned are recomputes: timed.
+    Any other call (the graph path's forward after an escape) runs untouched, as torch's checkpoint
+    needs its own saved-tensor hooks to take effect."""
 
-    def __init__(self, func: Callable[..., Any], block: _Block, clock: Callable[[], float]):
+    def __init__(self, func: Callable[..., Any], block: _Block, clock: Callable[[], float],
+                 held: set) -> None:
         self.__self__, self.__func__, self.__name__ = func.__self__, func.__func__, func.__name__
-        self.func, self.block, self.clock, self.recomputing = func, block, clock, False
+        self.func, self.block, self.clock, self.held = func, block, clock, held
+        self.calls, self.returned, self.seconds = 0, False, 0.0
+        self.saved: dict[Any, int] = {}
+
+    def pack(self, t: Tensor) -> Tensor:
+        key, size = _storage(t)
+        if key not in self.held:
+            self.saved[key] = max(self.saved.get(key, 0), size)
+        # Detached: an op's output saved as itself would form a cycle with its grad_fn, kept until
+        # the garbage collector runs. Its storage stays alive with the graph: keys stay unique.
+        return t.detach()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if not self.recomputing:
+        self.calls += 1
+        if self.calls > 1 and not self.returned:
             return self.func(*args, **kwargs)
         start = self.clock()
-        out = self.func(*args, **kwargs)
-        self.block.recompute.append(self.clock() - start)
+        if self.returned:
+            out = self.func(*args, **kwargs)
+            self.block.recompute.append(self.clock() - start)
+            return out
+        with torch.autograd.graph.saved_tensors_hooks(self.pack, _same):
+            out = self.func(*args, **kwargs)
+        self.seconds = self.clock() - start
         return out
 
 
-def _measure(block: _Block, owner: torch.nn.Module, func: Callable[..., Any], args: tuple,
-             kwargs: dict | None, params: Iterable[Tensor]) -> Any:
+def _measure(block: _Block, func: Callable[..., Any], args: tuple, kwargs: dict | None) -> Any:
     values = args if kwargs is None else (*args, *kwargs.values())
+    owner = func.__self__
+    held = {_storage(t)[0] for t in (*[v for v in values if isinstance(v, Tensor)],
+                                      *owner.parameters(), *owner.buffers())}
     clock = _clock(values)
-    if len(block.direct) < TIMING_CALLS:  # not forever if no backward comes
-        size, seconds = _direct_run(owner, func, args, kwargs, clock)
-        block.bytes = size if block.bytes is None else max(block.bytes, size)
-        block.direct.append(seconds)
-    timed = _Timed(func, block, clock)
+    measured = _Measured(func, block, clock, held)
     start = clock()
-    out = _checkpoint(timed, args, kwargs, params)
-    block.forward.append(clock() - start)
-    timed.recomputing = True
-    return out
-
-
-def _direct_run(owner: torch.nn.Module, func: Callable[..., Any], args: tuple, kwargs: dict | None,
-                clock: Callable[[], float]) -> tuple[int, float]:
-    """Run ``func`` once with a graph, as if not checkpointed, and drop it: the bytes of the
-    storages autograd saved beyond the inputs, parameters and buffers, and the time taken."""
-    values = args if kwargs is None else (*args, *kwargs.values())
-    tensors = [v for v in values if isinstance(v, Tensor)]
-    held = {_storage(t)[0] for t in (*tensors, *owner.parameters(), *owner.buffers())}
-    saved: dict[Any, int] = {}
-
-    def pack(t: Tensor) -> Tensor:
-        key, size = _storage(t)
-        if key not in held:
-            saved[key] = max(saved.get(key, 0), size)
-        # Detached: an op's output saved as itself would form a cycle with its grad_fn, kept until
-        # the garbage collector runs. Holding the storage keeps the keys unique meanwhile.
-        return t.detach()
-
-    def detach(v: Any) -> Any:
-        return v.detach().requires_grad_(v.requires_grad) if isinstance(v, Tensor) else v
-
-    cpu_rng = torch.get_rng_state()
-    cuda_rng = [(d, torch.cuda.get_rng_state(d)) for d in sorted({t.get_device() for t in tensors
-                                                                   if t.is_cuda})]
-    try:
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, _same):
-            inputs = [detach(v) for v in args]
-            named = {k: detach(v) for k, v in (kwargs or {}).items()}
-            start = clock()
-            out = func(*inputs, **named)
-            seconds = clock() - start
-        del out, inputs, named  # frees the graph and what it saved
-    finally:
-        torch.set_rng_state(cpu_rng)
-        for device, state in cuda_rng:
-            torch.cuda.set_rng_state(state, device)
+    out = _checkpoint(measured, args, kwargs)
+    elapsed = clock() - start
+    measured.returned = True
     # Keeping the block also frees what its checkpoint holds besides the inputs: the RNG state.
-    return max(sum(saved.values()) - cpu_rng.nbytes, 0), seconds
+    size = max(sum(measured.saved.values()) - _RNG_BYTES, 0)
+    block.bytes = size if block.bytes is None else max(block.bytes, size)
+    block.forward.append(measured.seconds)
+    block.overhead.append(max(elapsed - measured.seconds, 0.0))
+    return out
 
 
 def _same(t: Tensor) -> Tensor:
