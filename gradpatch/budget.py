@@ -1,7 +1,8 @@
 """The ``budget:<size>`` checkpoint policy: parsing it, and choosing which blocks to keep.
 
-Torch-free (``gradpatch.settings`` and ``gradpatch.environment`` validate policies at start-up). The
-measurement and the per-call dispatch live in :mod:`gradpatch.fixes.checkpoint_budget`.
+Torch-free (``gradpatch.settings`` and ``gradpatch.environment`` validate policies at start-up):
+size parsing, the knapsack, and the :class:`Plan` that :func:`gradpatch.checkpoint_plan` returns.
+The measurement and the per-call dispatch live in :mod:`gradpatch.fixes.checkpoint_budget`.
 
 ``<size>`` is a number of bytes with an optional unit: ``B``; decimal ``kB``, ``MB``, ``GB``, ``TB``
 (powers of 1000); binary ``KiB``, ``MiB``, ``GiB``, ``TiB`` (powers of 1024). Units are
@@ -130,6 +131,66 @@ def _rounded(items: Sequence[Item], candidates: list[int], budget: int) -> list[
             chosen.append(i)
             c -= -(-items[i].bytes // unit)
     return chosen
+
+
+class PlanEntry(NamedTuple):
+    """One planned block: its name (module class and method, or path with ``model=``), the bytes
+    keeping its activations costs, the seconds recomputing it costs per call (its recompute in
+    backward and the checkpoint's own work in the forward: what keeping it saves), and whether the
+    plan recomputes it. ``None`` figures: not measured yet."""
+
+    name: str
+    bytes: int | None
+    recompute_seconds: float | None
+    recomputed: bool
+
+
+class Plan(tuple):  # type: ignore[type-arg]
+    """A tuple of :class:`PlanEntry`, in the order the blocks first ran, that prints as a table."""
+
+    policy: str
+    budget: int | None
+
+    @property
+    def kept_bytes(self) -> int:
+        return sum(e.bytes or 0 for e in self if not e.recomputed)
+
+    @property
+    def saved_seconds(self) -> float:
+        return sum(e.recompute_seconds or 0.0 for e in self if not e.recomputed)
+
+    @property
+    def complete(self) -> bool:
+        return bool(self) and all(e.bytes is not None and e.recompute_seconds is not None
+                                  for e in self)
+
+    def summary(self) -> str:
+        head = f"checkpoint policy {self.policy}"
+        if not self:
+            return f"{head}: no checkpointed block has run yet"
+        kept = sum(not e.recomputed for e in self)
+        if not self.complete:
+            return (f"{head}: measuring ({sum(e.recompute_seconds is not None for e in self)} of "
+                    f"{len(self)} blocks measured); every block is recomputed meanwhile")
+        return (f"{head}: {kept} of {len(self)} blocks kept, {_mib(self.kept_bytes)} of "
+                f"{_mib(self.budget or 0)}, saving about {self.saved_seconds * 1e3:.1f} ms a step")
+
+    def __str__(self) -> str:
+        width = max(len(e.name) for e in self) if self else 5
+        rows = [f"{'block':{width}} {'kept bytes':>12} {'recompute':>10}  plan"]
+        for e in self:
+            size = "?" if e.bytes is None else _mib(e.bytes)
+            time_ = "?" if e.recompute_seconds is None else f"{e.recompute_seconds * 1e3:.2f}ms"
+            rows.append(f"{e.name:{width}} {size:>12} {time_:>10}  "
+                        f"{'recompute' if e.recomputed else 'keep'}")
+        return "\n".join([self.summary(), *rows])
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+def _mib(size: int) -> str:
+    return f"{size / 2**20:.2f} MiB"
 
 
 def report_line() -> str:

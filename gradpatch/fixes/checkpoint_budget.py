@@ -33,12 +33,13 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from typing import Any, Callable, Iterable, NamedTuple
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import Tensor
 
 from gradpatch import budget
+from gradpatch.budget import Plan, PlanEntry
 from gradpatch.fixes._compat import is_compiling
 from gradpatch.fixes.checkpoint import _checkpoint
 
@@ -243,65 +244,6 @@ def _storage(t: Tensor) -> tuple[Any, int]:
         return (storage.data_ptr(), t.device) if storage.data_ptr() else id(t), storage.nbytes()
     except (RuntimeError, NotImplementedError, TypeError):  # no plain storage: count its elements
         return id(t), t.nelement() * t.element_size()
-
-
-class PlanEntry(NamedTuple):
-    """One planned block: its name (module class and method, or path with ``model=``), the bytes
-    keeping its activations costs, the seconds its recompute costs per call, and whether the plan
-    recomputes it. ``None`` figures: not measured yet."""
-
-    name: str
-    bytes: int | None
-    recompute_seconds: float | None
-    recomputed: bool
-
-
-class Plan(tuple):  # type: ignore[type-arg]
-    """A tuple of :class:`PlanEntry`, in the order the blocks first ran, that prints as a table."""
-
-    policy: str
-    budget: int | None
-
-    @property
-    def kept_bytes(self) -> int:
-        return sum(e.bytes or 0 for e in self if not e.recomputed)
-
-    @property
-    def saved_seconds(self) -> float:
-        return sum(e.recompute_seconds or 0.0 for e in self if not e.recomputed)
-
-    @property
-    def complete(self) -> bool:
-        return bool(self) and all(e.bytes is not None and e.recompute_seconds is not None
-                                  for e in self)
-
-    def summary(self) -> str:
-        head = f"checkpoint policy {self.policy}"
-        if not self:
-            return f"{head}: no checkpointed block has run yet"
-        kept = sum(not e.recomputed for e in self)
-        if not self.complete:
-            return (f"{head}: measuring ({sum(e.recompute_seconds is not None for e in self)} of "
-                    f"{len(self)} blocks measured); every block is recomputed meanwhile")
-        return (f"{head}: {kept} of {len(self)} blocks kept, {_mib(self.kept_bytes)} of "
-                f"{_mib(self.budget or 0)}, saving about {self.saved_seconds * 1e3:.1f} ms a step")
-
-    def __str__(self) -> str:
-        width = max(len(e.name) for e in self) if self else 5
-        rows = [f"{'block':{width}} {'kept bytes':>12} {'recompute':>10}  plan"]
-        for e in self:
-            size = "?" if e.bytes is None else _mib(e.bytes)
-            time_ = "?" if e.recompute_seconds is None else f"{e.recompute_seconds * 1e3:.2f}ms"
-            rows.append(f"{e.name:{width}} {size:>12} {time_:>10}  "
-                        f"{'recompute' if e.recomputed else 'keep'}")
-        return "\n".join([self.summary(), *rows])
-
-    def __repr__(self) -> str:
-        return str(self)
-
-
-def _mib(size: int) -> str:
-    return f"{size / 2**20:.2f} MiB"
 
 
 def checkpoint_plan(model: torch.nn.Module | None = None) -> Plan:
