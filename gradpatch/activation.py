@@ -211,7 +211,8 @@ def apply(*names: str, exclude: Iterable[str] | None = None, strict: bool | None
     ``"f5_tts"``); none means every patch (or those ``GRADPATCH`` lists). ``exclude`` removes some
     (default: ``GRADPATCH_EXCLUDE``). ``strict=True`` raises :class:`~gradpatch.GradpatchError` where
     gradpatch would otherwise warn (default: ``GRADPATCH_STRICT``). ``checkpoint`` sets the
-    checkpoint policy, ``"respect"``, ``"always"`` or ``"never"`` (default: ``GRADPATCH_CHECKPOINT``).
+    checkpoint policy, ``"respect"``, ``"always"``, ``"never"`` or ``"budget:<size>"`` (default:
+    ``GRADPATCH_CHECKPOINT``).
     Explicit arguments beat environment variables, which beat defaults.
 
     Targets already imported are patched at once, and module globals still holding an original

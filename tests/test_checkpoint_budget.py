@@ -193,7 +193,7 @@ def test_plan_keeps_what_it_says_within_the_budget(unet):
         assert kept == pytest.approx(plan.kept_bytes, rel=0.01)
 
 
-def test_first_step_exceeds_respect_by_at_most_one_block(unet):
+def test_measuring_steps_peak_as_respect(unet):
     x = torch.randn(2, 4, 16, 16)
     with policy("respect"):
         step(unet, AUDIOLDM, x)  # warm-up: first-call allocations
@@ -201,7 +201,9 @@ def test_first_step_exceeds_respect_by_at_most_one_block(unet):
     with policy("budget:1GiB"):
         first = step_peak(unet, x)
     largest = max(e.bytes for e in planner.checkpoint_plan())
-    assert first <= respect + largest
+    # Bytes are counted during the checkpoint's own forward: no extra run, no extra memory (far
+    # within the bound of one block's activations above respect).
+    assert first <= respect + 2**14 < respect + largest
     with policy("budget:1GiB"):
         for _ in range(planner.TIMING_CALLS):
             step(unet, AUDIOLDM, x)
