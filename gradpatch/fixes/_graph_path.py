@@ -2,8 +2,8 @@
 
 Taken where the fast path's single node cannot carry the gradients: ``func`` read a non-leaf tensor
 it was not given (fast weights under ``functional_call`` or swapped into modules, a closure tensor
-computed beforehand), returned something other than a tensor or a flat tuple, returned tensors
-sharing storage, or runs under ``torch.compile``. torch's checkpoint keeps the forward's graph and
+computed beforehand), returned an input or a view of one, something other than a tensor or a flat
+tuple, or tensors sharing storage, or runs under ``torch.compile``. torch's checkpoint keeps the forward's graph and
 recomputes only the saved tensors, so every tensor ``func`` reads gets its gradient; it costs the
 forward's graph plus Python saved-tensor hooks (measured about 10% over upstream's time on a small
 UNet on CPU, ``benchmarks/checkpoint_speed.py``).

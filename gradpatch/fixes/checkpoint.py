@@ -14,16 +14,16 @@ the caller would run it, building its graph; the graph tells which leaves the ou
 autograd node takes the input tensors and those leaves; backward replays CPU/CUDA RNG and autocast
 state, recomputes, and differentiates what requires grad, returning parameter gradients as ordinary
 node outputs (``autograd.grad``, ``backward(inputs=...)``, DDP and tensor hooks see each once).
-Outputs follow autograd's rules: one that depends on nothing requiring grad does not require grad,
-and one that is an input or a view of one is returned as computed, so in-place changes to it work.
+Outputs follow autograd's rules: one that depends on nothing requiring grad does not require grad.
 Under ``create_graph=True`` it recomputes from views of the saved inputs, keeping gradients
 connected, and notes where the parameters live, so later passes (MAML's outer backward) recompute
 with them even if fast weights were swapped into the modules since.
 
 **Graph path** (``gradpatch.fixes._graph_path``): torch's non-reentrant checkpoint, for calls that
 read a non-leaf tensor they were not given (fast weights under ``functional_call`` or swapped into
-modules, DataParallel replicas, closure tensors computed beforehand), return something other than a
-tensor or a flat tuple, return tensors sharing storage, or run under ``torch.compile``. Such a call
+modules, DataParallel replicas, closure tensors computed beforehand), return an input or a view of
+one (which the caller may modify in place), return something other than a tensor or a flat tuple,
+return tensors sharing storage, or run under ``torch.compile``. Such a call
 is redone, RNG rewound, and its function (per module and method, or per code object) goes straight
 to this path from then on. Its recompute puts the forward's parameters back into the module first.
 
