@@ -211,9 +211,10 @@ def run_script(path: str, argv: list[str]) -> None:
                          if str(f) not in seen and not seen.add(str(f)))
         if text:
             print("gradpatch doctor:\n" + text, file=sys.stderr)
-        plan = checkpoint_plan_text()
-        if plan and plan.partition("\n")[0] not in seen:  # each new plan once
-            seen.add(plan.partition("\n")[0])
+        plan = checkpoint_plan_text(*roots)
+        head = plan.partition("\n")[0]
+        if plan and ": measuring" not in head and head not in seen:  # each finished plan once
+            seen.add(head)
             print(f"gradpatch doctor: {plan}", file=sys.stderr)
         return text
 

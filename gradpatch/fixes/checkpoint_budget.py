@@ -253,6 +253,8 @@ def checkpoint_plan(model: torch.nn.Module | None = None) -> Plan:
     """
     from gradpatch import settings
 
+    if budget.is_budget(settings.checkpoint_policy):  # measured since the last call: plan now
+        _PLANNER.solve(budget.budget_bytes(settings.checkpoint_policy))
     paths = {id(m): p for p, m in model.named_modules()} if model is not None else None
     entries = []
     for owner, block in _PLANNER.live():
