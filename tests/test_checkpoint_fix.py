@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch.testing import assert_close
 
 from gradpatch import settings
-from gradpatch.fixes import _recompute
+from gradpatch.fixes import _compat, _recompute
 from gradpatch.fixes import checkpoint as ck
 
 torch.set_num_threads(1)
@@ -126,6 +126,7 @@ def test_frozen_subsets_match_reference(frozen, paths):
 
 
 def test_upstream_v1_fails_where_fix_succeeds():
+    pytest.importorskip("audioldm", reason="upstream is not in the lowest-torch environment")
     from audioldm.latent_diffusion.util import CheckpointFunction as V1Function
     from audioldm.latent_diffusion.util import checkpoint as v1_checkpoint
 
@@ -281,7 +282,7 @@ def test_cuda_autocast_state_replayed(monkeypatch):
     seen = []
 
     def func(x):
-        seen.append((torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")))
+        seen.append((_compat.autocast_enabled("cuda"), _compat.autocast_dtype("cuda")))
         return x * 2
 
     x = torch.randn(3, requires_grad=True)
@@ -556,7 +557,7 @@ def test_non_reentrant_wrapper():
 def test_factories_and_stale_upstream_reference(monkeypatch):
     import inspect
 
-    import audioldm.latent_diffusion.util as util
+    util = pytest.importorskip("audioldm.latent_diffusion.util")
 
     # The engine reverts by identity: every call must build an object of its own.
     made = [ck.replace_checkpoint(util.checkpoint), ck.replace_checkpoint(util.checkpoint),

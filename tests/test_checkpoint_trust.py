@@ -59,9 +59,11 @@ BRANCHES = ["param.requires_grad", "x.requires_grad", "grad mode", "intermediate
 
 
 def v1(func, x, params):
-    from audioldm.latent_diffusion.util import CheckpointFunction
-
-    return CheckpointFunction.apply(func, 1, x, *params)
+    """Upstream V1, AudioLDM's copy (absent from the lowest-torch environment: skipped there)."""
+    util = pytest.importorskip("audioldm.latent_diffusion.util")
+    if issubclass(util.CheckpointFunction, ck.CheckpointFunction):
+        pytest.skip("gradpatch active in this process (GRADPATCH set): upstream already fixed")
+    return util.CheckpointFunction.apply(func, 1, x, *params)
 
 
 IMPLS = {
@@ -99,10 +101,6 @@ def test_block_branching_on_autograd_state_equals_reference(branch, frozen_base)
 
 def test_upstream_v1_sees_another_grad_mode_in_forward_than_in_recompute():
     """What the fix must not do: V1 runs the forward under no_grad, its recompute with grad."""
-    from audioldm.latent_diffusion.util import CheckpointFunction
-
-    if issubclass(CheckpointFunction, ck.CheckpointFunction):
-        pytest.skip("gradpatch active in this process (GRADPATCH set): upstream already fixed")
     want_out, want = output_and_grads("none", "grad mode", False)
     out, got = output_and_grads("V1", "grad mode", False)
     assert (out - want_out).abs().max() > 0.05
@@ -197,6 +195,7 @@ def test_output_aliasing_input_modified_in_place(case):
 
 
 def test_upstream_v1_refuses_in_place_on_a_view_of_an_input():
+    v1(lambda t: t, torch.ones(1), [])  # skips where upstream cannot be had
     assert "is a view and is being modified inplace" in in_place_after("V1", "view of input")
 
 
@@ -275,6 +274,7 @@ print(json.dumps(ok))
 def test_patched_objects_pickle_under_gradpatch_1(tmp_path):
     """Pickled in one interpreter, loaded in another (as for spawn workers), both with GRADPATCH=1;
     upstream's objects pickle by reference, the replacements must too, and revert() restores."""
+    pytest.importorskip("audioldm")
     script = tmp_path / "pickling.py"
     script.write_text(PICKLE_SCRIPT)
     env = {k: v for k, v in os.environ.items() if not k.startswith("GRADPATCH")}

@@ -7,7 +7,6 @@ autocast queries appeared in 2.4 (2.1 to 2.3 have ``is_autocast_cpu_enabled`` an
 """
 from __future__ import annotations
 
-import sys
 from typing import Callable
 
 import torch
@@ -29,12 +28,9 @@ else:
     autocast_enabled = torch.is_autocast_enabled
     autocast_dtype = torch.get_autocast_dtype
 
-if hasattr(torch.compiler, "is_compiling"):
-    is_compiling: Callable[[], bool] = torch.compiler.is_compiling
-else:  # torch < 2.3: dynamo's own flag; nothing compiles before torch._dynamo is imported
-    def is_compiling() -> bool:
-        dynamo = sys.modules.get("torch._dynamo")
-        return dynamo is not None and bool(dynamo.is_compiling())
+#: Whether torch.compile is tracing the caller (dynamo answers True while tracing).
+is_compiling: Callable[[], bool] = getattr(torch.compiler, "is_compiling", None) or \
+    torch._utils.is_compiling  # torch < 2.3: the same flag under its older name
 
 #: The thread's next autograd sequence number: nodes made from now on get this number or higher.
 sequence_nr: Callable[[], int] = torch._C._autograd._get_sequence_nr

@@ -39,6 +39,7 @@ place; a redone call repeats side effects such as BatchNorm statistics.
 from __future__ import annotations
 
 import functools
+import importlib
 import types
 import weakref
 from typing import Any, Callable, Iterable, Mapping, Sequence
@@ -169,8 +170,7 @@ def replace_torch_checkpoint(original: Callable[..., Any]) -> Callable[..., Any]
 
 
 def _copy(function: Callable[..., Any], original: Any) -> Callable[..., Any]:
-    """A new function object running ``function``'s code, named as ``original`` so that pickle
-    finds it where the engine put it (``module.qualname`` is the copy while patched)."""
+    """A new function object running ``function``'s code, pickled by way of ``original``'s place."""
     new = types.FunctionType(function.__code__, function.__globals__, function.__name__,
                              function.__defaults__, function.__closure__)
     new.__kwdefaults__ = function.__kwdefaults__
@@ -180,9 +180,26 @@ def _copy(function: Callable[..., Any], original: Any) -> Callable[..., Any]:
 
 
 def _name_as(new: Any, original: Any) -> None:
+    """Name ``new`` so that pickle finds it where ``original`` is defined (see :data:`_upstream`)."""
     module, qualname = getattr(original, "__module__", None), getattr(original, "__qualname__", None)
-    if isinstance(module, str) and isinstance(qualname, str):
-        new.__module__, new.__qualname__ = module, qualname
+    if isinstance(module, str) and isinstance(qualname, str) and "<" not in qualname:
+        new.__qualname__ = f"_upstream.{module.replace('.', ':')}.{qualname}"
+
+
+class _Upstream:
+    """Pickle's route to a replacement, which pickles by reference as upstream's object does:
+    ``_upstream.<module, ':' for '.'>.<qualname>`` resolves to that module's attribute as it is
+    now (the replacement while patched, upstream's object after ``revert()``; in a spawn worker,
+    what that worker's ``GRADPATCH`` made of it). The replacement keeps this module as its
+    ``__module__``, so it is never taken for upstream's code."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return importlib.import_module(name.replace(":", "."))
+
+
+_upstream = _Upstream()
 
 
 def _checkpoint(func: Callable[..., Any], args: tuple, kwargs: dict | None) -> Any:
