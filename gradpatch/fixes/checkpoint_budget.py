@@ -40,7 +40,7 @@ from torch import Tensor
 
 from gradpatch import budget
 from gradpatch.budget import Plan, PlanEntry
-from gradpatch.fixes._compat import is_compiling
+from gradpatch.fixes._compat import autocast_enabled, is_compiling
 from gradpatch.fixes.checkpoint import _checkpoint
 
 __all__ = ["checkpoint_plan", "Plan", "PlanEntry", "reset"]
@@ -159,7 +159,7 @@ def run(func: Callable[..., Any], args: tuple, kwargs: dict | None, policy: str)
 
 def _signature(args: tuple, kwargs: dict | None) -> tuple:
     values = args if kwargs is None else (*args, *kwargs.values())
-    return (torch.is_autocast_enabled("cpu"), torch.is_autocast_enabled("cuda"),
+    return (autocast_enabled("cpu"), autocast_enabled("cuda"),
             *[(v.shape, v.dtype, v.device, v.requires_grad) if isinstance(v, Tensor) else None
               for v in values])
 
