@@ -285,3 +285,13 @@ for _ in range(4):
     assert result.returncode == 0, result.stderr
     assert result.stderr.count("gradpatch doctor: checkpoint policy budget:4mib:") == 1, result.stderr
     assert "output_blocks.3.0._forward" in result.stderr and "measuring" not in result.stderr
+
+
+def test_cli_run_checks_the_policy(capsys):
+    from gradpatch import cli
+
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["run", "--checkpoint", "budget:lots", "--", "true"])
+    assert exit_.value.code == 2
+    assert "'lots' is not a size" in capsys.readouterr().err
+    assert cli._policy("budget:2GiB") == "budget:2GiB" and cli._policy("never") == "never"
