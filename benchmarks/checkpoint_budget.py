@@ -95,7 +95,7 @@ def raw_bytes(model: torch.nn.Module, batch: tuple, owners: list) -> list[int]:
 def greedy(blocks: list, size: int, sizes: list[int] | None = None) -> list[bool]:
     """The naive plan: by forward time per kept byte, keep what still fits (by ``sizes``, the
     blocks' counted bytes unless given)."""
-    sizes = sizes or [b.bytes for b in blocks]
+    sizes = sizes or [b.step_bytes for b in blocks]
     keep, used = [False] * len(blocks), 0
     order = sorted(range(len(blocks)), key=lambda i: -min(blocks[i].forward) / max(sizes[i], 1))
     for i in order:
@@ -124,7 +124,7 @@ def curve(name: str, rounds: int, warmup: int, exhaustive: bool) -> None:
     speed.VARIANTS["greedy 50%"] = (fixed_copy, forced(blocks, greedy(blocks, half), half + 1))
     # The same greedy with naive byte counts, scaled so that keeping all still fills the gap.
     raw = raw_bytes(model, batch, [owner for owner, _ in planner._PLANNER.live()])
-    scale = sum(b.bytes for b in blocks) / sum(raw)
+    scale = sum(b.step_bytes for b in blocks) / sum(raw)
     naive = greedy(blocks, half, [int(r * scale) for r in raw])
     speed.VARIANTS["naive 50%"] = (fixed_copy, forced(blocks, naive, half + 2))
     subsets = {}
@@ -154,7 +154,7 @@ def curve(name: str, rounds: int, warmup: int, exhaustive: bool) -> None:
               f"{beyond / 2**20:12.2f}MiB {ratio}")
     print("planned: " + "; ".join(
         f"{v}: {sum(k for _, k in planner._PLANNER.plans[s])} of {len(blocks)} kept, "
-        f"{sum(b.bytes for b, k in planner._PLANNER.plans[s] if k) / 2**20:.2f} MiB estimated"
+        f"{sum(b.step_bytes for b, k in planner._PLANNER.plans[s] if k) / 2**20:.2f} MiB estimated"
         for v, s in sizes.items()))
     median, low, high = speed.paired(times, "budget 50%", "greedy 50%")
     planned = dict(planner._PLANNER.plans[sizes["budget 50%"]])

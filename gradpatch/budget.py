@@ -135,9 +135,9 @@ def _rounded(items: Sequence[Item], candidates: list[int], budget: int) -> list[
 
 class PlanEntry(NamedTuple):
     """One planned block: its name (module class and method, or path with ``model=``), the bytes
-    keeping its activations costs, the seconds recomputing it costs per call (its recompute in
-    backward and the checkpoint's own work in the forward: what keeping it saves), and whether the
-    plan recomputes it. ``None`` figures: not measured yet."""
+    keeping its activations costs and the seconds recomputing it costs (its recompute in backward
+    and the checkpoint's own work in the forward: what keeping it saves), both per step, over all
+    its calls; and whether the plan recomputes it. ``None`` figures: not measured yet."""
 
     name: str
     bytes: int | None

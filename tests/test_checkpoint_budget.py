@@ -295,3 +295,56 @@ def test_cli_run_checks_the_policy(capsys):
     assert exit_.value.code == 2
     assert "'lots' is not a size" in capsys.readouterr().err
     assert cli._policy("budget:2GiB") == "budget:2GiB" and cli._policy("never") == "never"
+
+
+class Shared(torch.nn.Module):
+    """One block applied ``times`` times per forward: its kept activations count that many times."""
+
+    def __init__(self, times: int) -> None:
+        super().__init__()
+        self.times = times
+        self.block = Block()
+
+    def forward(self, x):
+        for _ in range(self.times):
+            x = self.block(x)
+        return x
+
+
+class Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(64, 64)
+
+    def forward(self, x):
+        from gradpatch.fixes.checkpoint import checkpoint
+
+        return checkpoint(self._forward, (x,), self.parameters(), True)
+
+    def _forward(self, x):
+        return torch.nn.functional.gelu(self.linear(x)).sigmoid()
+
+
+def test_a_block_called_twice_per_step_counts_twice():
+    sizes = []
+    for times in (1, 2):
+        planner.reset()
+        torch.manual_seed(0)
+        model = Shared(times)
+        x = torch.randn(32, 64, requires_grad=True)  # both calls see the same signature
+        with policy("budget:1GiB"):
+            for _ in range(planner.TIMING_CALLS):
+                model(x).sum().backward()
+            plan = planner.checkpoint_plan(model)
+        assert plan.complete and len(plan) == 1, plan
+        sizes.append(plan[0].bytes)
+    assert sizes[1] == 2 * sizes[0] > 0
+    # Calls at different signatures (input requiring grad or not) are separate blocks.
+    planner.reset()
+    x = torch.randn(32, 64)
+    with policy("budget:1GiB"):
+        for _ in range(planner.TIMING_CALLS + 1):
+            model(x).sum().backward()
+        plan = planner.checkpoint_plan(model)
+    planner.reset()
+    assert plan.complete and [e.bytes for e in plan] == [sizes[0], sizes[0]], plan

@@ -23,8 +23,9 @@ Kept blocks run ``func(*inputs)`` directly, exactly as under ``never``. When a b
 change (batch size, resolution), it is checkpointed and measured again, and the plan is solved
 anew once all are measured: until then the step runs as ``respect``.
 
-Limits: only module methods are planned (other functions are always checkpointed); a block called
-more than once per step is counted once; shapes that change at every step are measured at every
+A block called several times per step (shared weights), or measured again before an earlier call's
+backward, counts as many times as its calls' graphs were alive at once. Limits: only module methods
+are planned (other functions are always checkpointed); shapes that change at every step are measured at every
 step and never get a plan; modules that stopped running but are alive still hold a share of
 the budget. The figures are estimates from one run: see :func:`checkpoint_plan`.
 """
@@ -51,21 +52,23 @@ _RNG_BYTES = torch.get_rng_state().nbytes  # what the checkpoint saves per call 
 
 
 class _Block:
-    """One module method as seen by the planner, at its latest input signature."""
+    """One module method at one input signature (shapes, dtypes, devices, ``requires_grad``,
+    autocast): one item of the knapsack."""
 
-    __slots__ = ("name", "order", "signature", "bytes", "forward", "overhead", "recompute", "keep",
-                 "__weakref__")
+    __slots__ = ("name", "order", "seen", "bytes", "forward", "overhead", "recompute", "keep",
+                 "pending", "per_step", "__weakref__")
 
     def __init__(self, name: str, order: int) -> None:
-        self.name, self.order = name, order
-        self.signature: Any = None
-        self.reset(None)
-
-    def reset(self, signature: Any) -> None:
-        self.signature, self.bytes, self.keep = signature, None, False
+        self.name, self.order, self.seen = name, order, -1
+        self.bytes: int | None = None
+        self.keep = False
         self.forward: list[float] = []  # func in the checkpoint's forward
         self.overhead: list[float] = []  # the checkpointed forward call beyond func itself
         self.recompute: list[float] = []  # the recompute in backward
+        # Measured calls whose graph is alive and not yet recomputed: more than one at a time is a
+        # block called several times per step (or several forwards before a backward).
+        self.pending: weakref.WeakSet[_Measured] = weakref.WeakSet()
+        self.per_step = 1  # the most such calls seen: bytes and seconds count that many times
 
     @property
     def measured(self) -> bool:
@@ -75,61 +78,83 @@ class _Block:
                                            or len(self.overhead) > 2 * TIMING_CALLS)
 
     @property
+    def step_bytes(self) -> int | None:
+        """What keeping this block keeps at once, all its calls in a step together."""
+        return None if self.bytes is None else self.bytes * self.per_step
+
+    @property
     def seconds(self) -> float:
-        """What keeping this block saves per call: its recompute and the checkpoint's own work in
-        the forward (0 until measured)."""
+        """What keeping this block saves per step: its recompute and the checkpoint's own work in
+        the forward, for each call (0 until measured)."""
         if not self.measured:
             return 0.0
-        return (min(self.recompute) if self.recompute else 0.0) + min(self.overhead)
+        return self.per_step * ((min(self.recompute) if self.recompute else 0.0) + min(self.overhead))
+
+
+#: Signatures remembered per module method; the least recently called are forgotten first.
+_SIGNATURES = 16
 
 
 class _Planner:
+    """The blocks, and plans over the current ones: those called since the last new block appeared
+    (``epoch``). A new block (new shapes) voids the plans; the blocks not called since are left out
+    of the next, and are recomputed if they run again before it is solved anew."""
+
     def __init__(self) -> None:
         self.blocks: weakref.WeakKeyDictionary[torch.nn.Module, dict[Any, _Block]] = \
             weakref.WeakKeyDictionary()
-        self.count = 0
+        self.count = self.epoch = 0
         self.solved_for: int | None = None  # the budget of the current plan; None: none
         self.kept_for: int | None = None  # the budget the blocks' keep flags were chosen for
-        self.plans: dict[int, list[tuple[_Block, bool]]] = {}  # budget -> plan, current shapes
+        self.plans: dict[int, list[tuple[_Block, bool]]] = {}  # budget -> plan, current blocks
         self.lock = threading.Lock()
 
-    def block(self, owner: torch.nn.Module, function: Any) -> _Block:
-        with self.lock:
-            per_owner = self.blocks.setdefault(owner, {})
-            found = per_owner.get(function)
-            if found is None:
+    def block(self, owner: torch.nn.Module, key: tuple) -> _Block:
+        per_owner = self.blocks.get(owner)
+        found = None if per_owner is None else per_owner.get(key)
+        if found is None:
+            with self.lock:
+                per_owner = self.blocks.setdefault(owner, {})
+                same = [k for k in per_owner if k[0] is key[0]]
+                if len(same) >= _SIGNATURES:
+                    del per_owner[min(same, key=lambda k: per_owner[k].seen)]
                 self.count += 1
-                name = f"{type(owner).__name__}.{getattr(function, '__name__', '?')}"
-                found = per_owner[function] = _Block(name, self.count)
-            return found
+                self.epoch += 1
+                name = f"{type(owner).__name__}.{getattr(key[0], '__name__', '?')}"
+                found = per_owner[key] = _Block(name, self.count)
+                # Void the plans; the kept flags of the others stay: their bytes did not change,
+                # so the kept total stays within the budget.
+                self.solved_for = None
+                self.plans.clear()
+        found.seen = self.epoch
+        return found
 
-    def live(self) -> list[tuple[torch.nn.Module, _Block]]:
+    def live(self, current: bool = True) -> list[tuple[torch.nn.Module, _Block]]:
+        """The blocks (only those called in the current epoch if ``current``), in creation order."""
         return sorted(((owner, b) for owner, per_owner in list(self.blocks.items())
-                       for b in per_owner.values()), key=lambda pair: pair[1].order)
+                       for b in per_owner.values() if not current or b.seen == self.epoch),
+                      key=lambda pair: pair[1].order)
 
     def solve(self, size: int) -> None:
-        """Choose the kept blocks if every block is measured at its current shapes."""
+        """Choose the kept blocks if every current block is measured."""
         with self.lock:
-            blocks = [b for _, b in self.live()]
+            every = [b for _, b in self.live(current=False)]
+            blocks = [b for b in every if b.seen == self.epoch]
             if not all(b.measured for b in blocks):
                 if size != self.kept_for:  # kept for another budget: recompute all meanwhile
-                    for b in blocks:
+                    for b in every:
                         b.keep = False
                     self.kept_for = None
                 return
             plan = self.plans.get(size)
-            if plan is None or len(plan) != len(blocks):
-                keep = budget.choose([budget.Item(b.bytes, b.seconds) for b in blocks], size)
+            if plan is None:
+                keep = budget.choose([budget.Item(b.step_bytes, b.seconds) for b in blocks], size)
                 plan = self.plans[size] = list(zip(blocks, keep))
+            for b in every:
+                b.keep = False
             for b, k in plan:
                 b.keep = k
             self.solved_for = self.kept_for = size
-
-    def changed(self) -> None:
-        """A block is new or has new shapes: plans are void (the kept flags of the others stay:
-        their bytes did not change, so the kept total stays within the budget)."""
-        self.solved_for = None
-        self.plans.clear()
 
 
 _PLANNER = _Planner()
@@ -142,11 +167,7 @@ def run(func: Callable[..., Any], args: tuple, kwargs: dict | None, policy: str)
     function = getattr(func, "__func__", None)
     if not isinstance(owner, torch.nn.Module) or function is None or is_compiling():
         return _checkpoint(func, args, kwargs)
-    block = _PLANNER.block(owner, function)
-    signature = _signature(args, kwargs)
-    if signature != block.signature:
-        block.reset(signature)
-        _PLANNER.changed()
+    block = _PLANNER.block(owner, (function, _signature(args, kwargs)))
     size = budget.budget_bytes(policy)
     if _PLANNER.solved_for != size and (block.measured or _PLANNER.kept_for not in (None, size)):
         _PLANNER.solve(size)
@@ -208,6 +229,7 @@ class _Measured:
         if self.returned:
             out = self.func(*args, **kwargs)
             self.block.recompute.append(self.clock() - start)
+            self.block.pending.discard(self)
             return out
         with torch.autograd.graph.saved_tensors_hooks(self.pack, _same):
             out = self.func(*args, **kwargs)
@@ -222,6 +244,8 @@ def _measure(block: _Block, func: Callable[..., Any], args: tuple, kwargs: dict 
                                       *owner.parameters(), *owner.buffers())}
     clock = _clock(values)
     measured = _Measured(func, block, clock, held)
+    block.pending.add(measured)
+    block.per_step = max(block.per_step, len(block.pending))
     start = clock()
     out = _checkpoint(measured, args, kwargs)
     elapsed = clock() - start
@@ -257,11 +281,11 @@ def checkpoint_plan(model: torch.nn.Module | None = None) -> Plan:
         _PLANNER.solve(budget.budget_bytes(settings.checkpoint_policy))
     paths = {id(m): p for p, m in model.named_modules()} if model is not None else None
     entries = []
-    for owner, block in _PLANNER.live():
+    for owner, block in _PLANNER.live():  # the current blocks
         if paths is not None and id(owner) not in paths:
             continue
         name = block.name if paths is None else f"{paths[id(owner)]}.{block.name.split('.')[-1]}"
-        entries.append(PlanEntry(name, block.bytes, block.seconds if block.measured else None,
+        entries.append(PlanEntry(name, block.step_bytes, block.seconds if block.measured else None,
                                  not block.keep))
     plan = Plan(entries)
     plan.policy = settings.checkpoint_policy
@@ -275,3 +299,4 @@ def reset() -> None:
         _PLANNER.blocks = weakref.WeakKeyDictionary()
         _PLANNER.solved_for = _PLANNER.kept_for = None
         _PLANNER.plans.clear()
+        _PLANNER.epoch += 1
