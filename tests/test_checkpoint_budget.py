@@ -232,6 +232,17 @@ def test_new_shapes_are_measured_and_planned_again(unet, monkeypatch):
         assert new.bytes > 3.5 * old.bytes  # four times the pixels
 
 
+def test_alternating_shapes_are_planned_together_within_the_budget(unet, monkeypatch):
+    small, large = torch.randn(2, 4, 16, 16), torch.randn(2, 4, 32, 32)
+    want = {id(x): reference(unet, x, monkeypatch) for x in (small, large)}
+    with policy("budget:6MiB"):
+        for x in [small, large] * (planner.TIMING_CALLS + 1):
+            assert_grads_equal(step(unet, AUDIOLDM, x), want[id(x)])
+        plan = planner.checkpoint_plan()
+    assert plan.complete and len(plan) == 24, plan  # each block at both shapes
+    assert 0 < sum(not e.recomputed for e in plan) < 24 and plan.kept_bytes <= 6 * 2**20
+
+
 def test_flag_false_and_no_grad_run_once():
     calls = []
     layer = torch.nn.Linear(3, 3)

@@ -16,18 +16,21 @@ step's peak are ``respect``'s. Timed (thread CPU time on one CPU thread, wall ti
 synchronisation otherwise): the recompute in backward, and the checkpoint's forward call beyond
 ``func`` itself; their sum, fastest of the measured calls each, is what keeping the block saves.
 
-**Plan.** Once every block has been measured at its current shapes (normally after the first
-:data:`TIMING_CALLS` training steps), a 0/1 knapsack (:func:`gradpatch.budget.choose`) picks the
-blocks to keep (run without recompute): the most seconds saved with at most ``<size>`` bytes kept.
-Kept blocks run ``func(*inputs)`` directly, exactly as under ``never``. When a block's input shapes
-change (batch size, resolution), it is checkpointed and measured again, and the plan is solved
-anew once all are measured: until then the step runs as ``respect``.
+**Plan.** A block is a knapsack item per input signature. Once every block called since the last
+new one appeared has been measured (normally after the first :data:`TIMING_CALLS` training steps),
+a 0/1 knapsack (:func:`gradpatch.budget.choose`) picks the blocks to keep (run without recompute):
+the most seconds saved with at most ``<size>`` bytes kept. Kept blocks run ``func(*inputs)``
+directly, exactly as under ``never``. New shapes (batch size, resolution) make new blocks, which are
+checkpointed and measured; blocks not called since drop out of the next plan, solved once the new
+ones are measured. Meanwhile kept blocks at unchanged shapes stay kept, so the kept total never
+exceeds the last plan's.
 
 A block called several times per step (shared weights), or measured again before an earlier call's
 backward, counts as many times as its calls' graphs were alive at once. Limits: only module methods
-are planned (other functions are always checkpointed); shapes that change at every step are measured at every
-step and never get a plan; modules that stopped running but are alive still hold a share of
-the budget. The figures are estimates from one run: see :func:`checkpoint_plan`.
+are planned (other functions are always checkpointed); shapes that never repeat are measured at
+every step and never planned; a few shapes that alternate from step to step are planned together,
+as if all were alive in one step (within the budget, keeping less than a plan per shape would).
+The figures are estimates from the measured calls: see :func:`checkpoint_plan`.
 """
 from __future__ import annotations
 
