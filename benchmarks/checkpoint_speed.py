@@ -161,14 +161,14 @@ def table(name: str, rounds: int, warmup: int) -> None:
                                     [("fixed", "V1"), ("never", "V1"), ("fixed", "no-ckpt")]))
 
 
-def head_to_head(rounds: int) -> None:
-    """The acceptance number: fixed against V1 on the tiny UNet, with rounds enough to resolve
-    differences under 1% on a loaded machine (the per-round ratio scatters by about 5%)."""
-    model, batch = build(*MODELS["tiny"])
+def head_to_head(name: str, rounds: int) -> None:
+    """The acceptance number: fixed against V1 alone, with rounds enough to resolve differences of
+    about 1% on a loaded machine (the per-round ratio scatters by 5 to 10%)."""
+    model, batch = build(*MODELS[name])
     times = interleaved(model, batch, ["V1", "fixed"], rounds, 5)
     median, low, high = paired(times, "fixed", "V1")
     error = 1.25 * (high - low) / 1.35 / len(times["V1"]) ** 0.5  # standard error of the median
-    print(f"\n== tiny, fixed vs V1 only, {rounds} rounds ==\nfixed/V1 = {median:.3f} "
+    print(f"\n== {name}, fixed vs V1 only, {rounds} rounds ==\nfixed/V1 = {median:.3f} "
           f"+- {error:.3f} (quartiles {low:.3f}..{high:.3f})")
 
 
@@ -179,12 +179,13 @@ def main() -> None:
     torch.set_num_threads(1)
     if args.quick:
         table("tiny", 10, 2)
-        head_to_head(60)
+        head_to_head("tiny", 60)
         return
     table("tiny", 20, 2)
     table("tiny-all-blocks", 20, 2)
     table("medium", 8, 1)
-    head_to_head(300)
+    head_to_head("tiny", 300)
+    head_to_head("medium", 40)
 
 
 if __name__ == "__main__":

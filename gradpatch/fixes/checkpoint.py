@@ -27,14 +27,14 @@ return tensors sharing storage, or run under ``torch.compile``. Such a call
 is redone, RNG rewound, and its function (per module and method, or per code object) goes straight
 to this path from then on. Its recompute puts the forward's parameters back into the module first.
 
-Trade-off: the fast path does upstream's work plus the forward's graph (a graph-free forward would
-let a block see a different grad mode than its recompute), saves the same activations plus the 5 KB
-CPU RNG state, and pays for the graph with what upstream wastes (the parameter generator,
-``autograd.grad``'s argument checks, view nodes): see the README's Measured table
-(``benchmarks/checkpoint_speed.py``). The forward holds one block's activations while it runs, as
-the recompute does in backward. Limits, as for upstream and torch's checkpoints: tensors leaving
-``func`` other than by its return value carry no gradient; ``func`` must not modify its inputs in
-place; a redone call repeats side effects such as BatchNorm statistics.
+Trade-off: the fast path does upstream's work plus the forward's graph, which a forward must build
+for the block to see the grad mode and ``requires_grad`` flags its recompute sees; that graph is
+what it costs over upstream (a few percent of a training step on CPU: README, Measured;
+``benchmarks/checkpoint_speed.py``). It saves the same activations plus the 5 KB CPU RNG state, and
+the forward holds one block's activations while it runs, as the recompute does in backward. Limits,
+as for upstream and torch's checkpoints: tensors leaving ``func`` other than by its return value
+carry no gradient; ``func`` must not modify its inputs in place; a redone call repeats side effects
+such as BatchNorm statistics.
 """
 from __future__ import annotations
 
@@ -206,6 +206,8 @@ def _checkpoint(func: Callable[..., Any], args: tuple, kwargs: dict | None) -> A
     if is_compiling():
         return _graph_path(func, args, kwargs)
     owner, tag = _escape_key(func)
+    if isinstance(owner, torch.nn.Module) and owner.__dict__.get("_is_replica"):
+        return _graph_path(func, args, kwargs)  # DataParallel: parameters computed in another thread
     try:
         escaped = tag in _ESCAPED.get(owner, ())
     except TypeError:  # not weak-referenceable: nothing is remembered
