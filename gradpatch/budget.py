@@ -137,12 +137,14 @@ class PlanEntry(NamedTuple):
     """One planned block: its name (module class and method, or path with ``model=``), the bytes
     keeping its activations costs and the seconds recomputing it costs (its recompute in backward
     and the checkpoint's own work in the forward: what keeping it saves), both per step, over all
-    its calls; and whether the plan recomputes it. ``None`` figures: not measured yet."""
+    its calls; whether the plan recomputes it; whether it is measured. ``None`` figures: not
+    measured yet, or never measurable (a block torch's own checkpoint runs: always recomputed)."""
 
     name: str
     bytes: int | None
     recompute_seconds: float | None
     recomputed: bool
+    measured: bool = True
 
 
 class Plan(tuple):  # type: ignore[type-arg]
@@ -161,8 +163,7 @@ class Plan(tuple):  # type: ignore[type-arg]
 
     @property
     def complete(self) -> bool:
-        return bool(self) and all(e.bytes is not None and e.recompute_seconds is not None
-                                  for e in self)
+        return bool(self) and all(e.measured for e in self)
 
     def summary(self) -> str:
         head = f"checkpoint policy {self.policy}"
@@ -170,7 +171,7 @@ class Plan(tuple):  # type: ignore[type-arg]
             return f"{head}: no checkpointed block has run yet"
         kept = sum(not e.recomputed for e in self)
         if not self.complete:
-            return (f"{head}: measuring ({sum(e.recompute_seconds is not None for e in self)} of "
+            return (f"{head}: measuring ({sum(e.measured for e in self)} of "
                     f"{len(self)} blocks measured); every block is recomputed meanwhile")
         return (f"{head}: {kept} of {len(self)} blocks kept, {_mib(self.kept_bytes)} of "
                 f"{_mib(self.budget or 0)}, saving about {self.saved_seconds * 1e3:.1f} ms a step")

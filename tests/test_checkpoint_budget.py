@@ -359,3 +359,69 @@ def test_a_block_called_twice_per_step_counts_twice():
         plan = planner.checkpoint_plan(model)
     planner.reset()
     assert plan.complete and [e.bytes for e in plan] == [sizes[0], sizes[0]], plan
+
+
+class Escaping(torch.nn.Module):
+    """A block reading a non-leaf tensor it is not given: the checkpoint takes torch's own
+    non-reentrant checkpoint for it (from its second call on, at once)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(256, 256)
+        self.log_scale = torch.nn.Parameter(torch.zeros(256))
+
+    def forward(self, x):
+        from gradpatch.fixes.checkpoint import checkpoint
+
+        self.scale = self.log_scale.exp()  # computed before the call: a non-leaf closure tensor
+        return checkpoint(self._forward, (x,), self.parameters(), True)
+
+    def _forward(self, x):
+        return torch.tanh(self.linear(x) * self.scale).sigmoid()
+
+
+def test_blocks_on_torchs_checkpoint_are_measured_without_disturbing_it():
+    torch.manual_seed(0)
+    model = Escaping()
+    x = torch.randn(64, 256, requires_grad=True)  # activations well above the checkpoint's 5 KB
+
+    def grads(create_graph: bool) -> list:
+        model.zero_grad(set_to_none=True)
+        out = model(x).square().sum()
+        first = torch.autograd.grad(out, [x, *model.parameters()], create_graph=create_graph)
+        if not create_graph:
+            return list(first)
+        return list(torch.autograd.grad(sum(g.square().sum() for g in first),
+                                        [x, *model.parameters()]))
+
+    want = {}
+    with policy("never"):
+        for create_graph in (False, True):
+            want[create_graph] = grads(create_graph)
+    planner.reset()
+    with policy("budget:1GiB"):
+        for _ in range(planner.TIMING_CALLS + 2):
+            for create_graph in (False, True):
+                for g, w in zip(grads(create_graph), want[create_graph]):
+                    torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-7)
+        plan = planner.checkpoint_plan(model)
+    planner.reset()
+    assert plan.complete and len(plan) == 1 and plan[0].bytes > 2**16, plan
+
+
+def test_blocks_only_torchs_checkpoint_runs_are_always_recomputed():
+    torch.manual_seed(0)
+    model = Block()
+    model._is_replica = True  # as DataParallel marks its replicas: the graph path at once
+    x = torch.randn(64, 64, requires_grad=True)
+    with policy("never"):
+        want = torch.autograd.grad(model(x).square().sum(), [x, *model.parameters()])
+    planner.reset()
+    with policy("budget:1GiB"):
+        for _ in range(planner.TIMING_CALLS + 1):
+            got = torch.autograd.grad(model(x).square().sum(), [x, *model.parameters()])
+            for g, w in zip(got, want):
+                torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-7)
+        plan = planner.checkpoint_plan(model)
+    planner.reset()
+    assert plan.complete and len(plan) == 1 and plan[0].recomputed and plan[0].bytes is None, plan

@@ -27,13 +27,17 @@ exceeds the last plan's.
 
 A block called several times per step (shared weights), or measured again before an earlier call's
 backward, counts as many times as its calls' graphs were alive at once. Limits: only module methods
-are planned (other functions are always checkpointed); shapes that never repeat are measured at
+are planned (other functions are always checkpointed); blocks whose first call goes to torch's own
+checkpoint (the graph path at once, as DataParallel replicas do) cannot be counted and are always
+recomputed; shapes that never repeat are measured at
 every step and never planned; a few shapes that alternate from step to step are planned together,
 as if all were alive in one step (within the budget, keeping less than a plan per shape would).
 The figures are estimates from the measured calls: see :func:`checkpoint_plan`.
 """
 from __future__ import annotations
 
+import os
+import sys
 import threading
 import time
 import weakref
@@ -52,6 +56,7 @@ __all__ = ["checkpoint_plan", "Plan", "PlanEntry", "reset"]
 #: Calls measured per block before it is planned: the first one runs with cold caches.
 TIMING_CALLS = 2
 _RNG_BYTES = torch.get_rng_state().nbytes  # what the checkpoint saves per call besides the inputs
+_TORCH_CHECKPOINT = os.path.join("torch", "utils", "checkpoint.py")
 
 
 class _Block:
@@ -59,12 +64,12 @@ class _Block:
     autocast): one item of the knapsack."""
 
     __slots__ = ("name", "order", "seen", "bytes", "forward", "overhead", "recompute", "keep",
-                 "pending", "per_step", "__weakref__")
+                 "pending", "per_step", "opaque", "__weakref__")
 
     def __init__(self, name: str, order: int) -> None:
         self.name, self.order, self.seen = name, order, -1
         self.bytes: int | None = None
-        self.keep = False
+        self.keep = self.opaque = False  # opaque: its bytes cannot be counted; always recomputed
         self.forward: list[float] = []  # func in the checkpoint's forward
         self.overhead: list[float] = []  # the checkpointed forward call beyond func itself
         self.recompute: list[float] = []  # the recompute in backward
@@ -77,8 +82,9 @@ class _Block:
     def measured(self) -> bool:
         # A block that keeps nothing (nothing in it requires grad) is never recomputed; nor is one
         # whose output the loss does not use: it is measured when its forward calls are.
-        return self.bytes is not None and (len(self.recompute) >= TIMING_CALLS or self.bytes == 0
-                                           or len(self.overhead) > 2 * TIMING_CALLS)
+        return self.opaque or self.bytes is not None and (
+            len(self.recompute) >= TIMING_CALLS or self.bytes == 0
+            or len(self.overhead) > 2 * TIMING_CALLS)
 
     @property
     def step_bytes(self) -> int | None:
@@ -89,7 +95,7 @@ class _Block:
     def seconds(self) -> float:
         """What keeping this block saves per step: its recompute and the checkpoint's own work in
         the forward, for each call (0 until measured)."""
-        if not self.measured:
+        if not self.measured or self.opaque:
             return 0.0
         return self.per_step * ((min(self.recompute) if self.recompute else 0.0) + min(self.overhead))
 
@@ -151,7 +157,8 @@ class _Planner:
                 return
             plan = self.plans.get(size)
             if plan is None:
-                keep = budget.choose([budget.Item(b.step_bytes, b.seconds) for b in blocks], size)
+                keep = budget.choose([budget.Item(b.step_bytes or 1, b.seconds) for b in blocks],
+                                     size)  # opaque blocks: no bytes known, nothing saved
                 plan = self.plans[size] = list(zip(blocks, keep))
             for b in every:
                 b.keep = False
@@ -206,14 +213,15 @@ class _Measured:
     checkpoint remembers a module's method by ``__self__``/``__func__``). Its first call is the
     checkpoint's forward, which builds ``func``'s graph as the caller would: the bytes autograd saves
     there are counted and the call timed. Calls after the checkpoint returned are recomputes: timed.
-    Any other call (the graph path's forward after an escape) runs untouched, as torch's checkpoint
-    needs its own saved-tensor hooks to take effect."""
+    Any other call, and a first call made inside ``torch.utils.checkpoint`` (the graph path, which
+    a block that escaped the fast path takes at once), runs untouched: torch's checkpoint needs its
+    own saved-tensor hooks to take effect."""
 
     def __init__(self, func: Callable[..., Any], block: _Block, clock: Callable[[], float],
                  held: set) -> None:
         self.__self__, self.__func__, self.__name__ = func.__self__, func.__func__, func.__name__
         self.func, self.block, self.clock, self.held = func, block, clock, held
-        self.calls, self.returned, self.seconds = 0, False, 0.0
+        self.calls, self.returned, self.counted, self.seconds = 0, False, False, 0.0
         self.saved: dict[Any, int] = {}
 
     def pack(self, t: Tensor) -> Tensor:
@@ -226,16 +234,22 @@ class _Measured:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.calls += 1
-        if self.calls > 1 and not self.returned:
+        if self.returned:
+            start = self.clock()
+            try:  # torch's checkpoint may end its recompute early, by an exception
+                return self.func(*args, **kwargs)
+            finally:
+                self.block.recompute.append(self.clock() - start)
+                self.block.pending.discard(self)
+        if self.calls > 1:  # the graph path's forward, after the fast path's attempt
             return self.func(*args, **kwargs)
         start = self.clock()
-        if self.returned:
+        if _inside_torch_checkpoint():
             out = self.func(*args, **kwargs)
-            self.block.recompute.append(self.clock() - start)
-            self.block.pending.discard(self)
-            return out
-        with torch.autograd.graph.saved_tensors_hooks(self.pack, _same):
-            out = self.func(*args, **kwargs)
+        else:
+            with torch.autograd.graph.saved_tensors_hooks(self.pack, _same):
+                out = self.func(*args, **kwargs)
+            self.counted = True
         self.seconds = self.clock() - start
         return out
 
@@ -253,12 +267,25 @@ def _measure(block: _Block, func: Callable[..., Any], args: tuple, kwargs: dict 
     out = _checkpoint(measured, args, kwargs)
     elapsed = clock() - start
     measured.returned = True
-    # Keeping the block also frees what its checkpoint holds besides the inputs: the RNG state.
-    size = max(sum(measured.saved.values()) - _RNG_BYTES, 0)
-    block.bytes = size if block.bytes is None else max(block.bytes, size)
     block.forward.append(measured.seconds)
     block.overhead.append(max(elapsed - measured.seconds, 0.0))
+    if measured.counted:
+        # Keeping the block also frees what its checkpoint holds besides the inputs: the RNG state.
+        size = max(sum(measured.saved.values()) - _RNG_BYTES, 0)
+        block.bytes = size if block.bytes is None else max(block.bytes, size)
+    elif block.bytes is None:
+        block.opaque = True
     return out
+
+
+def _inside_torch_checkpoint() -> bool:
+    """Whether ``torch.utils.checkpoint`` is running the caller (frames up to :func:`_measure`)."""
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code is not _measure.__code__:
+        if frame.f_code.co_filename.endswith(_TORCH_CHECKPOINT):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _same(t: Tensor) -> Tensor:
@@ -288,8 +315,9 @@ def checkpoint_plan(model: torch.nn.Module | None = None) -> Plan:
         if paths is not None and id(owner) not in paths:
             continue
         name = block.name if paths is None else f"{paths[id(owner)]}.{block.name.split('.')[-1]}"
-        entries.append(PlanEntry(name, block.step_bytes, block.seconds if block.measured else None,
-                                 not block.keep))
+        known = block.measured and not block.opaque
+        entries.append(PlanEntry(name, block.step_bytes, block.seconds if known else None,
+                                 not block.keep, block.measured))
     plan = Plan(entries)
     plan.policy = settings.checkpoint_policy
     plan.budget = budget.budget_bytes(plan.policy) if budget.is_budget(plan.policy) else None
