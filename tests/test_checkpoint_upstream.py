@@ -103,7 +103,7 @@ def install(mp: pytest.MonkeyPatch, target: Target, impl: str) -> None:
 def require_upstream(target: Target) -> None:
     util = importlib.import_module(target.util)
     users = [importlib.import_module(name) for name in target.users]
-    if issubclass(util.CheckpointFunction, ck.CheckpointFunction) or any(
+    if util.CheckpointFunction.__module__ != target.util or any(
             user.checkpoint is not util.checkpoint for user in users):
         pytest.skip("gradpatch active in this process (GRADPATCH set): upstream already fixed")
 
