@@ -47,6 +47,7 @@ _EXPORTS = {
     "RevertWarning": "gradpatch.errors",
     "StartupWarning": "gradpatch.errors",
     "checkpoint": "gradpatch.fixes.checkpoint",  # these import torch
+    "checkpoint_plan": "gradpatch.fixes.checkpoint_budget",
     "trainable": "gradpatch.selective",
     "explain_grads": "gradpatch.doctor",
     "grad_doctor": "gradpatch.doctor",
@@ -59,6 +60,7 @@ if TYPE_CHECKING:
     from gradpatch.errors import (ConfigWarning, GradpatchError, GradpatchWarning, PatchFailedWarning,
                                   RevertWarning, StartupWarning, UnknownCodeWarning)
     from gradpatch.fixes.checkpoint import checkpoint
+    from gradpatch.fixes.checkpoint_budget import checkpoint_plan
     from gradpatch.registry import Patch, Record, Report, Status
     from gradpatch.doctor import explain_grads, grad_doctor
     from gradpatch.selective import TrainableSummary, trainable

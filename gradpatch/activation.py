@@ -189,8 +189,8 @@ def apply(*names: str | Iterable[str], exclude: str | Iterable[str] | None = Non
     ``GRADPATCH`` lists). ``exclude`` (a string or an iterable of strings) removes some (default:
     ``GRADPATCH_EXCLUDE``). ``strict=True`` raises :class:`~gradpatch.GradpatchError` where gradpatch
     would otherwise warn (default: ``GRADPATCH_STRICT``), also for the values of the ``GRADPATCH*``
-    variables. ``checkpoint`` sets the process-wide checkpoint policy, ``"respect"``, ``"always"`` or
-    ``"never"`` (default: ``GRADPATCH_CHECKPOINT``). Explicit arguments beat environment variables,
+    variables. ``checkpoint`` sets the process-wide checkpoint policy, ``"respect"``, ``"always"``,
+    ``"never"`` or ``"budget:<size>"`` (default: ``GRADPATCH_CHECKPOINT``). Explicit arguments beat environment variables,
     which beat defaults. Strictness and policy are process-wide; if ``apply`` raises, strictness is
     put back as it was. ``scan`` finds copies of a selected family's code at any other path (see
     :mod:`gradpatch.scan`; default: ``GRADPATCH_SCAN``, on).
@@ -286,8 +286,7 @@ def applied(*names: str | Iterable[str], exclude: str | Iterable[str] | None = N
     overrides: dict[str, object] = {"strict": env.strict if strict is None else bool(strict)}
     policy = checkpoint if checkpoint is not None else env.checkpoint
     if policy is not None:
-        settings.check_policy(policy)
-        overrides["checkpoint_policy"] = policy
+        overrides["checkpoint_policy"] = settings.check_policy(policy)
     with _lock:
         before = set(_wanted)
     with settings.scope(**overrides):

@@ -165,6 +165,16 @@ def _run(args: argparse.Namespace) -> int:
         return 127
 
 
+def _policy(text: str) -> str:
+    from gradpatch.budget import check_policy
+    from gradpatch.settings import CHECKPOINT_POLICIES
+
+    try:
+        return check_policy(text, CHECKPOINT_POLICIES)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def _doctor(args: argparse.Namespace) -> int:
     if args.script is None:
         args.parser.print_help()
@@ -200,7 +210,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     run = commands.add_parser("run", help="run a command with gradpatch active in every Python process")
     run.add_argument("--patches", action="append", metavar="NAME", help="patch or upstream name (repeatable; default: all)")
     run.add_argument("--exclude", action="append", metavar="NAME", help="leave this patch or upstream out (repeatable)")
-    run.add_argument("--checkpoint", choices=("respect", "always", "never"), help="checkpoint policy")
+    run.add_argument("--checkpoint", type=_policy, metavar="POLICY",
+                     help="checkpoint policy: respect, always, never or budget:<size> (budget:2GiB)")
     run.add_argument("--strict", action="store_true", help="raise instead of warning")
     run.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD [ARGS...]")
     run.set_defaults(handler=_run)

@@ -6,7 +6,8 @@ inside someone else's ``CheckpointFunction``. :func:`explain_grads` looks at a m
 (or at the error it raised) and names the modules involved and the likely cause: a known-broken
 checkpoint gradpatch has not patched, a reentrant torch checkpoint, a ``@torch.no_grad()`` sampler, or
 simply a parameter the loss never reached. :func:`grad_doctor` wraps one training step and prints the
-diagnosis; ``gradpatch doctor script.py`` runs a whole script that way.
+diagnosis; ``gradpatch doctor script.py`` runs a whole script that way. Under the ``budget:<size>``
+checkpoint policy both also print its plan (:func:`checkpoint_plan_text`).
 """
 from __future__ import annotations
 
@@ -163,6 +164,19 @@ def explain_grads(model: torch.nn.Module, error: BaseException | None = None) ->
     return diagnosis
 
 
+def checkpoint_plan_text(*models: torch.nn.Module) -> str:
+    """The ``budget:<size>`` checkpoint policy's plan for the blocks of ``models`` (of every model if
+    none): one table each; ``""`` under another policy."""
+    from gradpatch import budget, settings
+
+    if not budget.is_budget(settings.checkpoint_policy):
+        return ""
+    from gradpatch.fixes.checkpoint_budget import checkpoint_plan
+
+    plans = [checkpoint_plan(model) for model in models] if models else [checkpoint_plan()]
+    return "\n".join(str(plan) for plan in plans if plan)
+
+
 @contextlib.contextmanager
 def grad_doctor(*models: torch.nn.Module, file=None) -> Iterator[Diagnosis]:
     """Wrap one training step (forward and backward); print the diagnosis of ``models`` after it.
@@ -186,6 +200,9 @@ def grad_doctor(*models: torch.nn.Module, file=None) -> Iterator[Diagnosis]:
         diagnosis.findings += explain_grads(model).findings
     if diagnosis:
         print(diagnosis, file=stream)
+    plan = checkpoint_plan_text(*models)
+    if plan:
+        print(f"gradpatch doctor: {plan}", file=stream)
 
 
 def run_script(path: str, argv: list[str]) -> None:
@@ -223,6 +240,11 @@ def run_script(path: str, argv: list[str]) -> None:
         # here too would show it twice.
         if text and (error is None or not hasattr(error, "add_note")):
             print("gradpatch doctor:\n" + text, file=sys.stderr)
+        plan = checkpoint_plan_text(*roots)
+        head = plan.partition("\n")[0]
+        if plan and ": measuring" not in head and head not in seen:  # each finished plan once
+            seen.add(head)
+            print(f"gradpatch doctor: {plan}", file=sys.stderr)
         return text
 
     original_backward = torch.autograd.backward

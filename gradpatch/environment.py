@@ -6,7 +6,7 @@
                          nothing (``,``) is reported and leaves gradpatch off.
 ``GRADPATCH_EXCLUDE``    comma-separated names to leave out.
 ``GRADPATCH_STRICT``     ``1``: raise instead of warning.
-``GRADPATCH_CHECKPOINT`` ``respect`` (default), ``always`` or ``never``.
+``GRADPATCH_CHECKPOINT`` ``respect`` (default), ``always``, ``never`` or ``budget:<size>`` (``budget:2GiB``).
 ``GRADPATCH_LOG``        a :mod:`logging` level name or number for the ``gradpatch`` logger.
 ``GRADPATCH_SCAN``       ``0`` (or another off value): do not look for copies of known-broken code at
                          undeclared paths (:mod:`gradpatch.scan`); on by default.
@@ -65,9 +65,14 @@ def read() -> Environment:
         enabled = False
     checkpoint = os.environ.get("GRADPATCH_CHECKPOINT", "").strip().lower() or None
     if checkpoint is not None and checkpoint not in settings.CHECKPOINT_POLICIES:
-        problems.append(f"gradpatch: GRADPATCH_CHECKPOINT={checkpoint!r} is not one of "
-                        f"{', '.join(settings.CHECKPOINT_POLICIES)}; using 'respect'")
-        checkpoint = None
+        try:
+            checkpoint = settings.check_policy(checkpoint)
+        except ValueError as error:
+            reason = str(error).partition(": ")[2] if checkpoint.startswith("budget:") else ""
+            problems.append(f"gradpatch: GRADPATCH_CHECKPOINT={checkpoint!r} is not one of "
+                            f"{', '.join(settings.CHECKPOINT_POLICIES)} or budget:<size>"
+                            f"{'; ' + reason if reason else ''}; using 'respect'")
+            checkpoint = None
     strict = _flag("GRADPATCH_STRICT", problems)
     scan = _flag("GRADPATCH_SCAN", problems, default=True)
     return Environment(enabled, names, _names(os.environ.get("GRADPATCH_EXCLUDE", "")), strict, checkpoint,

@@ -144,11 +144,17 @@ class Report(tuple):  # type: ignore[type-arg]
         return self.table()
 
     def table(self, *, all: bool = False, wide: bool = False) -> str:
-        """The records as a table that fits 100 columns (``wide=True``: one line per record).
+        """The records as a table that fits 100 columns (``wide=True``: one line per record), and,
+        under the ``budget:<size>`` checkpoint policy, a line summing up its plan.
 
         Deferred records whose target package is not installed here are left out unless
         ``all=True``: they only say that gradpatch is ready for a package this environment lacks.
         """
+        from gradpatch.budget import report_line
+
+        return "\n".join(filter(None, [self._records_table(all, wide), report_line()]))
+
+    def _records_table(self, all: bool, wide: bool) -> str:
         if not self:
             return "gradpatch: no patches selected"
         shown = [r for r in self if all or r.status != Status.DEFERRED or _importable(r.target)]

@@ -19,6 +19,9 @@ CHECKPOINT_POLICIES = ("respect", "always", "never")
 #: How the fixed OpenAI/CompVis ``checkpoint(func, inputs, params, flag)`` treats ``flag``:
 #: ``"respect"`` recomputes exactly when the caller asks, ``"always"`` recomputes even where the
 #: caller passed ``flag=False``, ``"never"`` runs ``func`` directly (faster, more memory).
+#: ``"budget:<size>"`` (``"budget:512MiB"``) keeps, among the blocks the caller asks to recompute,
+#: those that save the most time while keeping at most ``<size>`` bytes more activations than
+#: recomputing all of them (:mod:`gradpatch.fixes.checkpoint_budget`).
 checkpoint_policy = "respect"
 
 #: Raise :class:`gradpatch.GradpatchError` instead of warning (``apply(strict=True)``,
@@ -64,19 +67,21 @@ def _set_process_wide(name: str, value: Any) -> Any:
     return previous
 
 
-def check_policy(policy: str) -> None:
-    """Raise ValueError unless ``policy`` is a checkpoint policy."""
-    if policy not in CHECKPOINT_POLICIES:
-        raise ValueError(
-            f"unknown checkpoint policy {policy!r}; use one of {', '.join(CHECKPOINT_POLICIES)}"
-        )
+def check_policy(policy: str) -> str:
+    """``policy`` as stored (``"respect"``, ``"always"``, ``"never"`` or ``"budget:<size>"``, stripped);
+    ``ValueError`` saying what is accepted for anything else."""
+    if policy in CHECKPOINT_POLICIES:
+        return policy
+    from gradpatch.budget import check_policy as check_with_budget
+
+    return check_with_budget(policy, CHECKPOINT_POLICIES)
 
 
 def set_checkpoint_policy(policy: str) -> str:
     """Set the process-wide checkpoint policy; return the previous one. Takes effect on the next call,
-    except in contexts inside a :func:`checkpoint_policy_scope`, which keep their scope's policy."""
-    check_policy(policy)
-    return _set_process_wide("checkpoint_policy", policy)
+    except in contexts inside a :func:`checkpoint_policy_scope`, which keep their scope's policy.
+    ``"budget:<size>"`` plans which blocks to recompute (:mod:`gradpatch.budget`)."""
+    return _set_process_wide("checkpoint_policy", check_policy(policy))
 
 
 def set_strict(value: bool) -> bool:
@@ -116,6 +121,5 @@ def checkpoint_policy_scope(policy: str) -> Iterator[None]:
     """Use ``policy`` inside the ``with`` block, in this context (thread or asyncio task) only; other
     threads keep theirs, and the previous policy holds again after the block, whatever other blocks
     did meanwhile."""
-    check_policy(policy)
-    with scope(checkpoint_policy=policy):
+    with scope(checkpoint_policy=check_policy(policy)):
         yield

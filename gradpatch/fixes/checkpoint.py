@@ -75,7 +75,9 @@ def checkpoint(func: Callable[..., Any], inputs: Sequence[Any], params: Iterable
             gradients are read from ``func``'s graph, so undeclared ones (closures, hooks, LoRA
             modules that are not children) get theirs too and frozen ones get none.
         flag: the caller's wish to recompute. ``settings.checkpoint_policy``, read at each call,
-            decides: ``"respect"`` recomputes iff ``flag``, ``"always"`` always, ``"never"`` never.
+            decides: ``"respect"`` recomputes iff ``flag``, ``"always"`` always, ``"never"`` never,
+            ``"budget:<size>"`` where ``flag`` and the plan of
+            :mod:`gradpatch.fixes.checkpoint_budget` say so.
 
     Returns:
         What ``func`` returns. Without recomputation (policy, ``flag``, or grad mode off, as under
@@ -86,6 +88,10 @@ def checkpoint(func: Callable[..., Any], inputs: Sequence[Any], params: Iterable
     policy = settings.checkpoint_policy
     if policy == "never" or not (flag or policy == "always") or not torch.is_grad_enabled():
         return func(*inputs)
+    if policy[0] == "b":  # "budget:<size>"
+        from gradpatch.fixes import checkpoint_budget
+
+        return checkpoint_budget.run(func, tuple(inputs), None, policy)
     return _checkpoint(func, tuple(inputs), None)
 
 
@@ -106,6 +112,10 @@ def mixed_checkpoint(func: Callable[..., Any], inputs: Mapping[str, Any],
     policy = settings.checkpoint_policy
     if policy == "never" or not (flag or policy == "always") or not torch.is_grad_enabled():
         return func(**inputs)
+    if policy[0] == "b":  # "budget:<size>"
+        from gradpatch.fixes import checkpoint_budget
+
+        return checkpoint_budget.run(func, (), dict(inputs), policy)
     return _checkpoint(func, (), dict(inputs))
 
 

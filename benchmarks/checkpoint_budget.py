@@ -1,0 +1,191 @@
+"""The ``budget:<size>`` checkpoint policy: training-step time against saved activations.
+
+Run:  PYTHONPATH=. HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/checkpoint_budget.py [--quick]
+
+On AudioLDM's real UNet (``benchmarks/checkpoint_speed.py`` builds it; CPU, one thread), every
+parameter trainable so that upstream V1 runs: V1, gradpatch's fixed checkpoint under ``respect``
+and ``never``, torch's non-reentrant checkpoint, and ``budget`` at 25%, 50% and 75% of the gap
+between ``respect``'s and ``never``'s activation memory, which is measured at the allocator level
+(bytes still allocated after the forward, as ``checkpoint_speed.py`` does). For comparison, a naive
+greedy plan at 50%: blocks by forward time per byte they keep, as long as they fit, with the
+planner's byte counts ("greedy") and with naive ones ("naive": every saved tensor's size, views,
+inputs and parameters included, scaled to the same total).
+
+Each budget row reports the activation memory it keeps beyond ``respect`` against its budget. On
+the tiny UNet every subset of kept blocks is also measured (allocator bytes and step time, all
+subsets and the plans interleaved in the same rounds): for each budget, the plan's step time over
+that of the fastest subset that fits, chosen on half of the rounds and compared on the other half.
+
+Timing as in ``checkpoint_speed.py``: thread CPU time, variants interleaved in a fresh random order
+every round, medians and quartiles of per-round ratios.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import checkpoint_speed as speed  # noqa: E402
+
+from gradpatch.fixes import checkpoint as fixed  # noqa: E402
+from gradpatch.fixes import checkpoint_budget as planner  # noqa: E402
+
+FRACTIONS = (0.25, 0.5, 0.75)
+BASE = {"V1": speed.VARIANTS["V1"], "torch-NR": speed.VARIANTS["torch-NR"],
+        "never": speed.VARIANTS["never"], "respect": speed.VARIANTS["fixed"]}
+
+
+def budget_policy(size: int) -> str:
+    return f"budget:{size}"
+
+
+def forced(blocks: list, keep: list[bool], key: int) -> str:
+    """A policy whose plan is ``keep``: the planner's plan for the otherwise unused size ``key``."""
+    planner._PLANNER.plans[key] = list(zip(blocks, keep))
+    return budget_policy(key)
+
+
+def measure_plans(model: torch.nn.Module, batch: tuple, size: int) -> list:
+    """Run the measuring steps under a budget; return the planned blocks, in order."""
+    speed.VARIANTS["_measure"] = (fixed.replace_checkpoint(speed.V1), budget_policy(size))
+    for _ in range(planner.TIMING_CALLS + 1):
+        with speed.use("_measure"):
+            speed.step(model, batch)
+    del speed.VARIANTS["_measure"]
+    plan = planner.checkpoint_plan(model)
+    assert plan.complete, plan
+    return [block for _, block in planner._PLANNER.live()]
+
+
+def raw_bytes(model: torch.nn.Module, batch: tuple, owners: list) -> list[int]:
+    """Per block, the bytes of every tensor autograd saves while it runs without checkpoint, as a
+    naive count would have them: views and shared storages counted each time, inputs and
+    parameters included."""
+    counts, current = [0] * len(owners), []
+    index = {id(owner): i for i, owner in enumerate(owners)}
+    def enter(module: torch.nn.Module, args: tuple) -> None:
+        current.append(index[id(module)])
+
+    def leave(module: torch.nn.Module, args: tuple, out: object) -> None:
+        current.pop()
+
+    hooks = [owner.register_forward_pre_hook(enter) for owner in owners]
+    hooks += [owner.register_forward_hook(leave) for owner in owners]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if current:
+            counts[current[-1]] += t.nelement() * t.element_size()
+        return t.detach()
+
+    x, t, y = batch
+    try:
+        with speed.use("never"), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(x, t, y=y)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return counts
+
+
+def greedy(blocks: list, size: int, sizes: list[int] | None = None) -> list[bool]:
+    """The naive plan: by forward time per kept byte, keep what still fits (by ``sizes``, the
+    blocks' counted bytes unless given)."""
+    sizes = sizes or [b.step_bytes for b in blocks]
+    keep, used = [False] * len(blocks), 0
+    order = sorted(range(len(blocks)), key=lambda i: -min(blocks[i].forward) / max(sizes[i], 1))
+    for i in order:
+        if used + sizes[i] <= size:
+            keep[i], used = True, used + sizes[i]
+    return keep
+
+
+def curve(name: str, rounds: int, warmup: int, exhaustive: bool) -> None:
+    kwargs, side = speed.MODELS[name]
+    model, batch = speed.build(kwargs, side)
+    fixed_copy = fixed.replace_checkpoint(speed.V1)
+    speed.VARIANTS.clear()
+    speed.VARIANTS.update(BASE)
+    memory = {}
+    for variant in ("respect", "never"):
+        with speed.use(variant):
+            memory[variant] = speed.saved_bytes(model, batch)
+    gap = memory["never"] - memory["respect"]
+    sizes = {f"budget {int(f * 100)}%": int(f * gap) for f in FRACTIONS}
+    planner.reset()
+    blocks = measure_plans(model, batch, sizes["budget 50%"])
+    for variant, size in sizes.items():
+        speed.VARIANTS[variant] = (fixed_copy, budget_policy(size))
+    half = sizes["budget 50%"]
+    speed.VARIANTS["greedy 50%"] = (fixed_copy, forced(blocks, greedy(blocks, half), half + 1))
+    # The same greedy with naive byte counts, scaled so that keeping all still fills the gap.
+    raw = raw_bytes(model, batch, [owner for owner, _ in planner._PLANNER.live()])
+    scale = sum(b.step_bytes for b in blocks) / sum(raw)
+    naive = greedy(blocks, half, [int(r * scale) for r in raw])
+    speed.VARIANTS["naive 50%"] = (fixed_copy, forced(blocks, naive, half + 2))
+    subsets = {}
+    if exhaustive:
+        for n, keep in enumerate(itertools.product((False, True), repeat=len(blocks))):
+            label = "keep {" + ",".join(str(i) for i, k in enumerate(keep) if k) + "}"
+            subsets[label] = keep
+            speed.VARIANTS[label] = (fixed_copy, forced(blocks, list(keep), gap + 10 + n))
+    for variant in speed.VARIANTS:
+        if variant not in memory:
+            with speed.use(variant):
+                memory[variant] = speed.saved_bytes(model, batch)
+    times = speed.interleaved(model, batch, list(speed.VARIANTS), rounds, warmup)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"\n== {name}: {n_params / 1e6:.1f}M params, {len(blocks)} checkpointed blocks, {rounds} "
+          f"rounds; respect keeps {memory['respect'] / 2**20:.2f} MiB, never "
+          f"{memory['never'] / 2**20:.2f} MiB (gap {gap / 2**20:.2f} MiB) ==")
+    print(f"{'variant':12} {'median step':>12} {'/V1 paired':>11} {'quartiles':>14} "
+          f"{'saved after fwd':>16} {'beyond respect':>15} {'/budget':>8}")
+    for variant in [v for v in speed.VARIANTS if v not in subsets]:
+        median, low, high = speed.paired(times, variant, "V1")
+        beyond = memory[variant] - memory["respect"]
+        size = sizes.get(variant, half if variant.endswith(" 50%") else None)
+        ratio = f"{beyond / size:8.3f}" if size else ""
+        print(f"{variant:12} {statistics.median(times[variant]) * 1e3:10.1f}ms {median:11.3f} "
+              f"{low:6.3f}..{high:5.3f} {memory[variant] / 2**20:13.2f}MiB "
+              f"{beyond / 2**20:12.2f}MiB {ratio}")
+    print("planned: " + "; ".join(
+        f"{v}: {sum(k for _, k in planner._PLANNER.plans[s])} of {len(blocks)} kept, "
+        f"{sum(b.step_bytes for b, k in planner._PLANNER.plans[s] if k) / 2**20:.2f} MiB estimated"
+        for v, s in sizes.items()))
+    median, low, high = speed.paired(times, "budget 50%", "greedy 50%")
+    planned = dict(planner._PLANNER.plans[sizes["budget 50%"]])
+    differ = sum(planned[b] != k for b, k in zip(blocks, greedy(blocks, sizes["budget 50%"])))
+    print(f"budget 50% / greedy 50% = {median:.3f} ({low:.3f}..{high:.3f}); the plans differ in "
+          f"{differ} of {len(blocks)} blocks")
+    # The fastest subset is chosen on the even rounds and compared on the odd ones: choosing and
+    # comparing on the same rounds would favour whichever subset the noise flattered.
+    choose = {v: t[0::2] for v, t in times.items()}
+    judge = {v: t[1::2] for v, t in times.items()}
+    for variant, size in sizes.items() if subsets else ():
+        fitting = [s for s in subsets if memory[s] - memory["respect"] <= size]
+        best = min(fitting, key=lambda s: statistics.median(choose[s]))
+        median, low, high = speed.paired(judge, variant, best)
+        print(f"exhaustive, {variant}: {len(fitting)} of {len(subsets)} subsets fit; fastest "
+              f"{best}; plan/fastest = {median:.3f} ({low:.3f}..{high:.3f})")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer rounds")
+    parser.add_argument("--model", choices=("tiny", "medium"), help="only this model")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    if args.quick:
+        for name in [args.model] if args.model else ["tiny", "medium"]:
+            curve(name, 10 if name == "tiny" else 4, 1, exhaustive=name == "tiny")
+        return
+    curve("tiny", 60, 3, exhaustive=True)
+    curve("medium", 20, 1, exhaustive=False)
+
+
+if __name__ == "__main__":
+    main()
