@@ -143,7 +143,8 @@ results["unrelated"] = [warned, found("unrelated"), unrelated.checkpoint.__modul
 print(json.dumps(results))
 ''', env={"GRADPATCH": "1"}, pythonpath=[forks]))
     changed = out["changedfork"]
-    assert len(changed[0]) == 2 and all(w.startswith("UnknownCodeWarning: gradpatch: changedfork.util:") for w in changed[0])
+    # One warning for the module, however many of its definitions the family patches.
+    assert len(changed[0]) == 1 and changed[0][0].startswith("UnknownCodeWarning: gradpatch: changedfork.util ")
     assert [r[1:] for r in changed[1]] == [["skipped", "unknown code"]] * 2
     assert changed[2:] == ["changedfork.util", "changedfork.util"], "left alone"
     rebound = out["reboundfork"]
@@ -182,7 +183,7 @@ print(json.dumps([before, after, step(myfork.block), known.checkpoint is wrapper
                              ["myfork.util.checkpoint", "applied", ["myfork.block.checkpoint"]]]
     assert patched is True
     assert wrapper_kept and ["ldm.checkpoint", "skipped"] in known_report
-    assert any("ldm.modules.diffusionmodules.util:checkpoint" in w and "not the module's own definition" in w
+    assert any("ldm.modules.diffusionmodules.util.checkpoint is not the module's own definition" in w
                for w in warned)
 
 
