@@ -32,4 +32,5 @@ if rank == 0:
     torch.save({n: p.grad for n, p in model.named_parameters() if p.grad is not None}, sys.argv[1])
     with open(sys.argv[1] + ".json", "w") as handle:
         json.dump({r.patch: str(r.status) for r in gradpatch.report()}, handle)
+dist.barrier()  # no rank tears gloo down while the other still writes: an early exit can abort it
 dist.destroy_process_group()
