@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import time
 import warnings
 
@@ -27,7 +26,7 @@ warnings.filterwarnings("ignore")
 import torch  # noqa: E402
 
 import gradpatch  # noqa: E402
-from sampler_memory import SavedMeter  # noqa: E402  (the sibling script: one way of counting)
+from sampler_memory import SavedMeter, sweep  # noqa: E402  (the sibling script: one way of counting)
 
 
 def measure(model, cond, steps: int, options: dict) -> tuple[int, float]:
@@ -65,19 +64,8 @@ def main() -> int:
         print(f"AudioLDM LatentDiffusion, {params / 1e6:.1f}M-parameter UNet, 4x16x16 latents, CFG 2.0, DDIM; "
               f"forward + decode + backward with cache=False; {args.threads} thread(s); torch {torch.__version__}")
         print(f"{'steps':>5}  {'mode':<17}{'saved MB':>10}{'x fewer':>9}{'time s':>9}{'x plain':>9}")
-        modes = {"plain": {}, "checkpoint_steps": {"checkpoint_steps": True}, "grad_steps=1": {"grad_steps": 1}}
-        ok = True
         measure(model, cond, 2, {})  # warm-up
-        for steps in args.steps:
-            base = None
-            for mode, options in modes.items():
-                runs = [measure(model, cond, steps, options) for _ in range(args.repeats)]
-                saved, seconds = runs[0][0], statistics.median(r[1] for r in runs)
-                base = base or (saved, seconds)
-                print(f"{steps:>5}  {mode:<17}{saved / 2**20:>10.2f}{base[0] / saved:>9.1f}"
-                      f"{seconds:>9.3f}{seconds / base[1]:>9.2f}")
-                if steps == max(args.steps) and mode == "checkpoint_steps" and base[0] < 5 * saved:
-                    ok = False
+        ok = sweep(lambda n, options: measure(model, cond, n, options), args.steps, args.repeats)
     print(f"checkpoint_steps at {max(args.steps)} steps: {'meets' if ok else 'MISSES'} the >= 5x target")
     return 0 if ok else 1
 

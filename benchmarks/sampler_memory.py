@@ -136,6 +136,28 @@ def wrapper_overhead(calls: int = 20000) -> float:
     return best[1] - best[0]
 
 
+MODES = {"plain": {}, "checkpoint_steps": {"checkpoint_steps": True}, "grad_steps=1": {"grad_steps": 1}}
+
+
+def sweep(measure, steps: list[int], repeats: int, label: str = "") -> bool:
+    """Print one row per step count and mode (:data:`MODES`): saved MB, how many times fewer than
+    plain, median time, time relative to plain. ``measure(steps, options)`` returns ``(saved bytes,
+    seconds)``. True when ``checkpoint_steps`` saves at least 5x fewer bytes than plain at the most
+    steps. The sampler benchmarks share it."""
+    ok = True
+    for n in steps:
+        base = None
+        for mode, options in MODES.items():
+            runs = [measure(n, options) for _ in range(repeats)]
+            saved, seconds = runs[0][0], statistics.median(r[1] for r in runs)
+            base = base or (saved, seconds)
+            print(f"{label}{n:>5}  {mode:<17}{saved / 2**20:>10.2f}{base[0] / saved:>9.1f}"
+                  f"{seconds:>9.3f}{seconds / base[1]:>9.2f}")
+            if n == max(steps) and mode == "checkpoint_steps" and base[0] < 5 * saved:
+                ok = False
+    return ok
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repeats (memory figures are the same)")
@@ -153,23 +175,12 @@ def main() -> int:
 
     upstream = CFM.__dict__["sample"]
     model, cond, text = build()
-    modes = {"plain": {}, "checkpoint_steps": {"checkpoint_steps": True}, "grad_steps=1": {"grad_steps": 1}}
     print(f"F5-TTS CFM + tiny DiT, {args.duration} frames, CFG 2.0, Euler; forward + backward with cache=False; "
           f"median of {repeats}; {args.threads} thread(s); torch {torch.__version__}")
     print(f"{'steps':>5}  {'mode':<17}{'saved MB':>10}{'x fewer':>9}{'time s':>9}{'x plain':>9}")
-    ok = True
     with gradpatch.applied("f5_tts"):
         measure(model, cond, text, 2, args.duration, {})  # warm-up
-        for steps in args.steps:
-            base = None
-            for mode, options in modes.items():
-                runs = [measure(model, cond, text, steps, args.duration, options) for _ in range(repeats)]
-                saved, seconds = runs[0][0], statistics.median(r[1] for r in runs)
-                base = base or (saved, seconds)
-                print(f"{steps:>5}  {mode:<17}{saved / 2**20:>10.2f}{base[0] / saved:>9.1f}"
-                      f"{seconds:>9.3f}{seconds / base[1]:>9.2f}")
-                if steps == max(args.steps) and mode == "checkpoint_steps" and base[0] < 5 * saved:
-                    ok = False
+        ok = sweep(lambda n, options: measure(model, cond, text, n, args.duration, options), args.steps, repeats)
         steps = min(args.steps)
         compare_cache_true(model, cond, text, upstream, steps, args.duration, 2)  # warm-up
         timing = compare_cache_true(model, cond, text, upstream, steps, args.duration, pairs)
