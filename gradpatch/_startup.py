@@ -26,8 +26,6 @@ def main() -> None:
         if any(action == "error" for action, *_ in warnings.filters):
             warnings.filterwarnings("default", category=GradpatchWarning)
         try:
-            from gradpatch.activation import activate_from_env
-
             activate_from_env()
         except Exception as exc:
             if environment.read().strict:
@@ -39,3 +37,37 @@ def main() -> None:
                 sys.stderr.flush()
                 os._exit(1)
             warnings.warn(f"gradpatch: start-up activation failed: {exc!r}", StartupWarning, stacklevel=2)
+
+
+def activate_from_env() -> object:
+    """Apply what the ``GRADPATCH*`` environment variables ask for; return the report (None when
+    ``GRADPATCH`` selects nothing)."""
+    from gradpatch import environment, settings
+    from gradpatch.activation import apply
+    from gradpatch.errors import ConfigWarning, complain, logger
+
+    env = environment.read()
+    if env.log_level is not None:
+        _configure_logging(env.log_level)
+    if not env.enabled:  # GRADPATCH names nothing (","): its problems are all that is said
+        with settings.scope(strict=env.strict):
+            for problem in env.problems:
+                complain(ConfigWarning, problem, once=True)
+        return None
+    report = apply()
+    waiting = len(report.by_status("deferred"))
+    logger.info("active (GRADPATCH=%s): %d applied, %d waiting for their targets to be imported",
+                os.environ.get("GRADPATCH", ""), len(report.by_status("applied")), waiting)
+    return report
+
+
+def _configure_logging(level: int) -> None:
+    import logging
+
+    from gradpatch.errors import logger
+
+    logger.setLevel(level)
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("gradpatch: %(message)s"))
+        logger.addHandler(handler)

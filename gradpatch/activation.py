@@ -10,7 +10,6 @@ cannot deadlock it.
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import sys
 import threading
@@ -304,28 +303,3 @@ def report() -> Report:
     reason), failed (with the error) or reverted."""
     with _lock:
         return Report(_records.values())
-
-
-def activate_from_env() -> Report | None:
-    """Apply what the ``GRADPATCH*`` environment variables ask for; the startup file calls this."""
-    env = environment.read()
-    if env.log_level is not None:
-        _configure_logging(env.log_level)
-    if not env.enabled:  # GRADPATCH names nothing (","): its problems are all that is said
-        with settings.scope(strict=env.strict):
-            for problem in env.problems:
-                complain(ConfigWarning, problem, once=True)
-        return None
-    report = apply()
-    waiting = len(report.by_status("deferred"))
-    logger.info("active (GRADPATCH=%s): %d applied, %d waiting for their targets to be imported",
-                os.environ.get("GRADPATCH", ""), len(report.by_status("applied")), waiting)
-    return report
-
-
-def _configure_logging(level: int) -> None:
-    logger.setLevel(level)
-    if not logger.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("gradpatch: %(message)s"))
-        logger.addHandler(handler)
