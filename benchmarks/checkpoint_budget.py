@@ -1,6 +1,7 @@
 """The ``budget:<size>`` checkpoint policy: training-step time against saved activations.
 
 Run:  PYTHONPATH=. HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/checkpoint_budget.py [--quick]
+      [--device cuda]
 
 On AudioLDM's real UNet (``benchmarks/checkpoint_speed.py`` builds it; CPU, one thread), every
 parameter trainable so that upstream V1 runs: V1, gradpatch's fixed checkpoint under ``respect``
@@ -18,6 +19,10 @@ that of the fastest subset that fits, chosen on half of the rounds and compared 
 
 Timing as in ``checkpoint_speed.py``: thread CPU time, variants interleaved in a fresh random order
 every round, medians and quartiles of per-round ratios.
+
+With ``--device cuda``: AudioLDM-S's UNet at batch 8, in fp32 and under bf16 autocast, with the
+budgets' fractions of the same gap; wall time between synchronisations, and each variant's peak
+allocation during a training step (``torch.cuda.max_memory_allocated``).
 """
 from __future__ import annotations
 
@@ -105,8 +110,7 @@ def greedy(blocks: list, size: int, sizes: list[int] | None = None) -> list[bool
 
 
 def curve(name: str, rounds: int, warmup: int, exhaustive: bool) -> None:
-    kwargs, side = speed.MODELS[name]
-    model, batch = speed.build(kwargs, side)
+    model, batch = speed.build(*speed.MODELS[name])
     fixed_copy = fixed.replace_checkpoint(speed.V1)
     speed.VARIANTS.clear()
     speed.VARIANTS.update(BASE)
@@ -173,11 +177,62 @@ def curve(name: str, rounds: int, warmup: int, exhaustive: bool) -> None:
               f"{best}; plan/fastest = {median:.3f} ({low:.3f}..{high:.3f})")
 
 
+def gpu_curve(dtype: torch.dtype | None, rounds: int) -> None:
+    speed.AUTOCAST = dtype
+    kwargs, shape, _ = speed.MODELS["audioldm-s"]
+    model, batch = speed.build(kwargs, shape, 8)
+    speed.VARIANTS.clear()
+    speed.VARIANTS.update(BASE)
+    try:
+        with speed.use("V1"):
+            speed.step(model, batch)
+    except RuntimeError as error:  # V1 recomputes outside autocast
+        print(f"\n(V1 under {dtype}: {str(error).splitlines()[0][:100]})")
+        del speed.VARIANTS["V1"]
+    memory = {}
+    for variant in ("respect", "never"):
+        with speed.use(variant):
+            memory[variant] = speed.saved_bytes(model, batch)
+    gap = memory["never"] - memory["respect"]
+    sizes = {f"budget {int(f * 100)}%": int(f * gap) for f in FRACTIONS}
+    planner.reset()
+    measure_plans(model, batch, sizes["budget 50%"])
+    fixed_copy = fixed.replace_checkpoint(speed.V1)
+    for variant, size in sizes.items():
+        speed.VARIANTS[variant] = (fixed_copy, budget_policy(size))
+    peak = {}
+    for variant in speed.VARIANTS:
+        with speed.use(variant):
+            memory.setdefault(variant, speed.saved_bytes(model, batch))
+            peak[variant] = speed.peak_bytes(model, batch)
+    times = speed.interleaved(model, batch, list(speed.VARIANTS), rounds, 2)
+    base = "V1" if "V1" in speed.VARIANTS else "respect"
+    print(f"\n== audioldm-s, batch 8, {dtype or 'fp32'}, {rounds} rounds; gap "
+          f"{gap / 2**20:.0f} MiB ==")
+    print(f"{'variant':12} {'median step':>12} {'/' + base + ' paired':>16} {'quartiles':>14} "
+          f"{'saved after fwd':>16} {'peak in step':>13} {'beyond respect /budget':>23}")
+    for variant in speed.VARIANTS:
+        median, low, high = speed.paired(times, variant, base)
+        beyond = memory[variant] - memory["respect"]
+        ratio = f"{beyond / sizes[variant]:8.3f}" if variant in sizes else ""
+        print(f"{variant:12} {statistics.median(times[variant]) * 1e3:10.1f}ms {median:16.3f} "
+              f"{low:6.3f}..{high:5.3f} {memory[variant] / 2**20:13.0f}MiB "
+              f"{peak[variant] / 2**20:10.0f}MiB {ratio:>23}")
+    planner.reset()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer rounds")
     parser.add_argument("--model", choices=("tiny", "medium"), help="only this model")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args = parser.parse_args()
+    if args.device == "cuda":
+        speed.DEVICE = torch.device("cuda")
+        print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+        gpu_curve(None, 20)
+        gpu_curve(torch.bfloat16, 20)
+        return
     torch.set_num_threads(1)
     if args.quick:
         for name in [args.model] if args.model else ["tiny", "medium"]:

@@ -1,20 +1,24 @@
 """Training-step time and saved activations of checkpoint variants on AudioLDM's real UNet.
 
 Run:  PYTHONPATH=. HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/checkpoint_speed.py [--quick]
+      [--device cuda]
 
 Variants, with every parameter trainable so that upstream V1 works: no checkpoint at all; upstream
 V1 (``audioldm.latent_diffusion.util.checkpoint``); plain ``torch.utils.checkpoint`` with
 ``use_reentrant=False``; gradpatch's fixed checkpoint as the engine installs it, with policy
-``respect`` and with policy ``never``. CPU, one thread. Models: the tiny UNet (only the transformer
-blocks, which upstream always checkpoints), the same with ``use_checkpoint=True`` (ResBlocks too),
-and a 17M-parameter one with ``use_checkpoint=True``.
+``respect`` and with policy ``never``. Models: the tiny UNet (only the transformer blocks, which
+upstream always checkpoints), the same with ``use_checkpoint=True`` (ResBlocks too), and a
+17M-parameter one with ``use_checkpoint=True``; with ``--device cuda``, also AudioLDM-S's own UNet
+(185M parameters, its 8x256x16 latent, batch 4; upstream checkpoints its transformer blocks).
 
-The machine is shared, so: the clock is the thread's CPU time (``time.thread_time``), which other
-processes disturb much less than wall time; the variants are interleaved, every round running one
+On the CPU (one thread) the machine is shared, so the clock is the thread's CPU time
+(``time.thread_time``), which other processes disturb much less than wall time. On CUDA it is wall
+time between synchronisations. Either way the variants are interleaved, every round running one
 step of each in a fresh random order; ratios are medians over rounds of the per-round ratio, whose
-quartiles show the noise. Saved activations are measured at the allocator level with the profiler's
-memory events (bytes still allocated after the forward, output included), which also counts V1's
-``ctx`` attributes that saved-tensor hooks would not see.
+quartiles show the noise. Saved activations are measured at the allocator level (bytes still
+allocated after the forward, output included): with the profiler's memory events on the CPU, with
+``torch.cuda.memory_allocated`` on CUDA. Both also count V1's ``ctx`` attributes, which saved-tensor
+hooks would not see.
 """
 from __future__ import annotations
 
@@ -56,14 +60,23 @@ VARIANTS: dict[str, tuple[Callable, str]] = {
     "never": (fixed.replace_checkpoint(V1), "never"),
 }
 
-MODELS = {  # name -> (UNet kwargs, latent side)
-    "tiny": (dict(model_channels=32, num_res_blocks=1, attention_resolutions=[2],
-                  channel_mult=(1, 2), num_head_channels=16), 16),
-    "tiny-all-blocks": (dict(model_channels=32, num_res_blocks=1, attention_resolutions=[2],
-                             channel_mult=(1, 2), num_head_channels=16, use_checkpoint=True), 16),
-    "medium": (dict(model_channels=64, num_res_blocks=2, attention_resolutions=[4, 2],
-                    channel_mult=(1, 2, 3), num_head_channels=32, use_checkpoint=True), 16),
+_SMALL = dict(in_channels=4, out_channels=4, extra_film_condition_dim=16)
+MODELS = {  # name -> (UNet kwargs, latent shape, batch size)
+    "tiny": (dict(_SMALL, model_channels=32, num_res_blocks=1, attention_resolutions=[2],
+                  channel_mult=(1, 2), num_head_channels=16), (4, 16, 16), 2),
+    "tiny-all-blocks": (dict(_SMALL, model_channels=32, num_res_blocks=1, attention_resolutions=[2],
+                             channel_mult=(1, 2), num_head_channels=16, use_checkpoint=True),
+                        (4, 16, 16), 2),
+    "medium": (dict(_SMALL, model_channels=64, num_res_blocks=2, attention_resolutions=[4, 2],
+                    channel_mult=(1, 2, 3), num_head_channels=32, use_checkpoint=True),
+               (4, 16, 16), 2),
+    # audioldm.utils.default_audioldm_config()'s UNet, for 10 s of audio
+    "audioldm-s": (dict(in_channels=8, out_channels=8, extra_film_condition_dim=512,
+                        model_channels=128, attention_resolutions=[8, 4, 2], num_res_blocks=2,
+                        channel_mult=(1, 2, 3, 5), num_head_channels=32), (8, 256, 16), 4),
 }
+DEVICE = torch.device("cpu")
+AUTOCAST: torch.dtype | None = None  # the forward's autocast dtype, if any
 
 
 @contextlib.contextmanager
@@ -78,23 +91,46 @@ def use(variant: str) -> Iterator[None]:
         attention.checkpoint, openaimodel.checkpoint, settings.checkpoint_policy = saved
 
 
-def build(kwargs: dict, side: int) -> tuple[torch.nn.Module, tuple]:
+def build(kwargs: dict, shape: tuple[int, int, int], n: int) -> tuple[torch.nn.Module, tuple]:
     torch.manual_seed(0)
-    model = UNetModel(image_size=side, in_channels=4, out_channels=4, use_spatial_transformer=True,
-                      extra_film_condition_dim=16, extra_film_use_concat=True, **kwargs)
+    model = UNetModel(image_size=shape[1], use_spatial_transformer=True,
+                      extra_film_use_concat=True, **kwargs)
     for p in model.parameters():  # the output conv starts at zero: no gradient would flow
         if p.dim() > 1 and not p.any():
             torch.nn.init.normal_(p, std=0.02)
-    batch = (torch.randn(2, 4, side, side), torch.randint(0, 1000, (2,)), torch.randn(2, 16))
-    return model, batch
+    batch = (torch.randn(n, *shape), torch.randint(0, 1000, (n,)),
+             torch.randn(n, kwargs["extra_film_condition_dim"]))
+    return model.to(DEVICE), tuple(t.to(DEVICE) for t in batch)
+
+
+def forward(model: torch.nn.Module, batch: tuple) -> torch.Tensor:
+    x, t, y = batch
+    with torch.autocast(DEVICE.type, dtype=AUTOCAST, enabled=AUTOCAST is not None):
+        return model(x, t, y=y)
 
 
 def step(model: torch.nn.Module, batch: tuple) -> float:
-    x, t, y = batch
     model.zero_grad(set_to_none=True)
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        forward(model, batch).float().square().mean().backward()
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
     start = time.thread_time()
-    model(x, t, y=y).square().mean().backward()
+    forward(model, batch).float().square().mean().backward()
     return time.thread_time() - start
+
+
+def peak_bytes(model: torch.nn.Module, batch: tuple) -> int:
+    """CUDA only: the training step's peak allocation beyond what was allocated before it."""
+    model.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    forward(model, batch).float().square().mean().backward()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - before
 
 
 @contextlib.contextmanager
@@ -112,9 +148,16 @@ def quiet_stderr() -> Iterator[None]:
 
 
 def saved_bytes(model: torch.nn.Module, batch: tuple) -> int:
-    x, t, y = batch
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        out = forward(model, batch)
+        torch.cuda.synchronize()
+        saved = torch.cuda.memory_allocated() - before
+        del out
+        return saved
     with quiet_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        out = model(x, t, y=y)
+        out = forward(model, batch)
     del out
     return sum(e.self_cpu_memory_usage for e in prof.events())
 
@@ -142,8 +185,7 @@ def paired(times: dict[str, list[float]], a: str, b: str) -> tuple[float, float,
 
 
 def table(name: str, rounds: int, warmup: int) -> None:
-    kwargs, side = MODELS[name]
-    model, batch = build(kwargs, side)
+    model, batch = build(*MODELS[name])
     n_params = sum(p.numel() for p in model.parameters())
     times = interleaved(model, batch, list(VARIANTS), rounds, warmup)
     memory = {}
@@ -175,7 +217,19 @@ def head_to_head(name: str, rounds: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer rounds, tiny model only")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args = parser.parse_args()
+    global DEVICE
+    DEVICE = torch.device(args.device)
+    if DEVICE.type == "cuda":
+        print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+        table("tiny", 40, 5)
+        table("medium", 40, 5)
+        table("audioldm-s", 20, 3)
+        head_to_head("tiny", 200)
+        head_to_head("medium", 200)
+        head_to_head("audioldm-s", 60)
+        return
     torch.set_num_threads(1)
     if args.quick:
         table("tiny", 10, 2)

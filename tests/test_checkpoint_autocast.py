@@ -16,7 +16,7 @@ from torch.testing import assert_close
 
 import gradpatch
 from gradpatch.fixes import checkpoint_budget as planner
-from test_checkpoint_upstream import TARGETS, assert_grads_equal, build, install
+from test_checkpoint_upstream import TARGETS, assert_grads_equal, build, freeze, install
 
 AUDIOLDM = TARGETS["audioldm"]
 POLICIES = ["respect", "budget"]
@@ -152,3 +152,45 @@ def test_cuda_autocast_with_grad_scaler(policy, dtype, monkeypatch, deterministi
     with monkeypatch.context() as mp:
         install(mp, AUDIOLDM, "fixed")
         run_policy(policy, model, one_step, want, assert_close_scaled)
+
+
+@cuda
+@pytest.mark.cuda
+def test_cuda_data_parallel_replicas_frozen_subset(monkeypatch, deterministic_cuda):
+    """DataParallel replicas hold parameters broadcast in the caller's thread and run in worker
+    threads: the fix sends their calls to torch's checkpoint. Only cross-attention trains, so
+    upstream V1 raises on the frozen replica parameters; the fix matches no checkpointing. On one
+    GPU the replicas share it (``device_ids=[0, 0]``)."""
+    from gradpatch.fixes import checkpoint as fixed
+
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.device_count() > 1 else [0, 0]
+    model = cuda_model(dropout=0.0)
+    freeze(model, AUDIOLDM, "cross-attention-only")
+    parallel = torch.nn.DataParallel(model, device_ids=devices)
+    replicas_routed = []
+    graph_path = fixed._graph_path
+
+    def counting_graph_path(func, args, kwargs):
+        owner = getattr(func, "__self__", None)
+        replicas_routed.append(owner is not None and owner.__dict__.get("_is_replica", False))
+        return graph_path(func, args, kwargs)
+
+    def one_step(model: torch.nn.Module) -> dict:
+        model.zero_grad(set_to_none=True)
+        x = torch.randn(4, 4, 16, 16, generator=torch.Generator().manual_seed(3)).cuda()
+        t = torch.tensor([3, 500, 20, 900], device="cuda")
+        y = torch.randn(4, 16, generator=torch.Generator().manual_seed(7)).cuda()
+        parallel(x, t, y=y).square().mean().backward()
+        return grads(model)
+
+    with monkeypatch.context() as mp:
+        install(mp, AUDIOLDM, "none")
+        want = one_step(model)
+    assert sum(g is not None for g in want.values()) > 0
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        one_step(model)  # upstream V1
+    with monkeypatch.context() as mp:
+        install(mp, AUDIOLDM, "fixed")
+        mp.setattr(fixed, "_graph_path", counting_graph_path)
+        assert_close_scaled(one_step(model), want, rtol=1e-5)
+    assert replicas_routed and all(replicas_routed), replicas_routed

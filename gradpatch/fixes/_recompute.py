@@ -35,12 +35,13 @@ the other.
 **Cost.** The forward's graph holds the block's activations only until ``func`` returns, as the
 recompute does in backward, so peak memory is that of the backward; the node saves the input tensors
 and the 5 KB CPU RNG state. Building that graph is what this costs over upstream, whose forward runs
-under ``no_grad``: on one CPU thread the checkpointed blocks' forward took about a third longer, a
-training step of the tiny AudioLDM UNet 5.5% and of the medium one 3.7% longer than with upstream
-(``benchmarks/checkpoint_speed.py``); the walk is about 0.5 us a node, and the backward is a little
-cheaper than upstream's (no view nodes, no argument checks in ``autograd.grad``). A forward without
-a graph would be cheaper, but the block would see another grad mode and other flags than in its
-recompute.
+under ``no_grad``. A training step of the tiny AudioLDM UNet took 3.6% longer than with upstream
+on one CPU thread, the medium one as long (``benchmarks/checkpoint_speed.py``); on an H100, where the
+CPU launching kernels bounds the step, 6% to 7% longer, AudioLDM-S's UNet included. Of the
+forward's extra CPU time, building the graph and walking it (0.4 to 1.7 us a node, by CPU) are about
+a third each, freeing it and the node's bookkeeping the rest; the backward is a little cheaper than
+upstream's (no view nodes, no argument checks in ``autograd.grad``). A forward without a graph would
+be cheaper, but the block would see another grad mode and other flags than in its recompute.
 """
 from __future__ import annotations
 
