@@ -40,6 +40,7 @@ _EXPORTS = {
     "set_checkpoint_policy": "gradpatch.settings",
     "checkpoint_policy_scope": "gradpatch.settings",
     "GradpatchError": "gradpatch.errors",
+    "NotDifferentiableError": "gradpatch.errors",
     "GradpatchWarning": "gradpatch.errors",
     "ConfigWarning": "gradpatch.errors",
     "UnknownCodeWarning": "gradpatch.errors",
@@ -57,8 +58,9 @@ __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
     from gradpatch.activation import applied, apply, known_patches, report, revert
-    from gradpatch.errors import (ConfigWarning, GradpatchError, GradpatchWarning, PatchFailedWarning,
-                                  RevertWarning, StartupWarning, UnknownCodeWarning)
+    from gradpatch.errors import (ConfigWarning, GradpatchError, GradpatchWarning,
+                                  NotDifferentiableError, PatchFailedWarning, RevertWarning,
+                                  StartupWarning, UnknownCodeWarning)
     from gradpatch.fixes.checkpoint import checkpoint
     from gradpatch.fixes.checkpoint_budget import checkpoint_plan
     from gradpatch.registry import Patch, Record, Report, Status

@@ -1,10 +1,11 @@
-"""Warning categories and the one exception gradpatch raises.
+"""Warning categories and the exceptions gradpatch raises.
 
 Every problem gradpatch meets at run time is reported once, as a warning of one of these categories
 (filter them with the standard :mod:`warnings` machinery, e.g.
 ``warnings.filterwarnings("ignore", category=gradpatch.UnknownCodeWarning)``), and logged on the
 ``gradpatch`` logger. In strict mode (``apply(strict=True)`` or ``GRADPATCH_STRICT=1``) the same
-message is raised as :class:`GradpatchError` instead.
+message is raised as :class:`GradpatchError` instead. A sampler or pipeline asked for ``cache=False``
+that cannot give gradients raises :class:`NotDifferentiableError`, in every mode.
 """
 from __future__ import annotations
 
@@ -43,6 +44,11 @@ class StartupWarning(GradpatchWarning):
 
 class GradpatchError(RuntimeError):
     """Raised instead of a warning in strict mode."""
+
+
+class NotDifferentiableError(TypeError):
+    """``cache=False`` (or ``grad_steps``/``checkpoint_steps``) was asked of a sampler or pipeline that
+    gradpatch cannot make differentiable; the message says why, and what to call instead."""
 
 
 # Frames a warning should not point at: gradpatch itself, and the import machinery between the user's

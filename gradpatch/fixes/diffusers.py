@@ -18,19 +18,10 @@ defined later (lazily imported, community, your own) are patched when created. A
   A sub-pipeline or ``super().__call__`` reached from the body without ``cache=`` continues the graph.
 * ``grad_steps``/``checkpoint_steps``: for the call, the ``forward`` of each denoiser component (named
   ``unet``, ``transformer``, ``prior``, ``controlnet``, optionally ``_<n>``) is wrapped so each
-  evaluation goes through :func:`run_step` (no such component: an error, not a silent no-op);
-  ``scheduler.step`` is never inside a checkpoint. Wrappers live on the instances for the call: one
-  pipeline instance must not run two such calls concurrently.
-
-Step index. A loop runs over ``scheduler.timesteps`` or a suffix of it (img2img strength), calls
-``scheduler.step`` once per iteration and the denoisers one or more times (split CFG, controlnet;
-Heun and PNDM repeat timestep values). Counting denoiser calls overcounts split CFG and matching
-timestep values fails on repeats and rescaling (``t / 1000``), so a call's step is ``start`` + the
-number of ``pipe.scheduler.step`` calls so far, of ``len(scheduler.timesteps)``. ``start`` is
-``scheduler.begin_index`` if set; else 0 for schedulers that have ``set_begin_index`` (pipelines starting
-mid-schedule set it); else (DDIM, DDPM, PNDM) the first call's ``timestep`` position. Each
-``scheduler.step`` is checked against the timestep assumed: a mismatch, or a loop that never steps
-``pipe.scheduler``, raises RuntimeError instead of truncating at the wrong step.
+  evaluation goes through :func:`~gradpatch.fixes.sampling.run_step` (no such component: an error,
+  not a silent no-op); ``scheduler.step`` is never inside a checkpoint. Wrappers live on the
+  instances for the call: one pipeline instance must not run two such calls concurrently. How a
+  call's step is located: :mod:`gradpatch.fixes.diffusers_run`.
 
 Left alone unless ``cache=False`` is asked for (then :class:`NotDifferentiableError`): ONNX pipelines,
 classes whose own ``__call__`` is not ``no_grad``-decorated, and cache hooks that rewired the model
@@ -40,32 +31,23 @@ a ``DiffusionPipeline`` (its blocks use ``with torch.no_grad()`` in-body): a sec
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 import re
-from contextvars import ContextVar
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 
-from gradpatch.errors import RevertWarning, complain
-from gradpatch.fixes.options import SamplingOptions, check_flag, check_keywords, sampling_options, swallowed_keywords
-from gradpatch.fixes.sampling import active_options, differentiable, run_step
+from gradpatch.errors import NotDifferentiableError, RevertWarning, complain
+from gradpatch.fixes.diffusers_run import differentiable_run, in_call, inside
+from gradpatch.fixes.options import check_flag, check_keywords, sampling_options, swallowed_keywords
+from gradpatch.fixes.sampling import active_options
+
+__all__ = ["NotDifferentiableError", "guard_modular_call", "no_grad_body", "patch_pipeline_hierarchy"]
 
 _NEW = ("cache", "grad_steps", "checkpoint_steps")
-_DENOISER = re.compile(r"(unet|transformer|prior|controlnet)(_\d+)?")
 _HELPER = re.compile(r"_?(encode|decode|vae_decode)")
-_CACHE_HOOK_MODULES = frozenset(f"diffusers.hooks.{name}" for name in (
-    "faster_cache", "first_block_cache", "pyramid_attention_broadcast", "taylorseer_cache", "mag_cache",
-    "text_kv_cache", "sea_cache"))
 _DECORATED = torch.no_grad()(lambda: None).__code__  # torch's ``decorate_context``, shared by all uses
-_MISSING = object()
-_inside: ContextVar[tuple[object, ...]] = ContextVar("gradpatch_diffusers_pipes", default=())  # cache=False calls
-
-
-class NotDifferentiableError(TypeError):
-    """``cache=False`` was asked of a pipeline this fix cannot make differentiable."""
 
 
 def no_grad_body(fn: object) -> Callable[..., Any] | None:
@@ -76,10 +58,6 @@ def no_grad_body(fn: object) -> Callable[..., Any] | None:
     cells = {name: cell.cell_contents for name, cell in zip(_DECORATED.co_freevars, closure)}
     no_grad = isinstance(getattr(cells.get("ctx_factory"), "__self__", None), torch.no_grad)  # a bound clone
     return cells["func"] if no_grad and cells.get("func") is fn.__wrapped__ else None  # type: ignore[attr-defined]
-
-
-def _in_call(pipe: object) -> bool:
-    return any(p is pipe for p in _inside.get())
 
 
 def _signature(original: Callable[..., Any]) -> inspect.Signature | None:
@@ -119,8 +97,8 @@ def _differentiable_call(original: Callable[..., Any], body: Callable[..., Any])
         grad_steps, checkpoint_steps = kwargs.pop("grad_steps", None), kwargs.pop("checkpoint_steps", False)
         check_keywords(kwargs, accepted, f"{type(self).__name__}.__call__")
         outer = active_options()
-        if not explicit and grad_steps is None and not checkpoint_steps and outer is not None and _inside.get():
-            if _in_call(self):  # super().__call__ from a subclass's body: already set up
+        if not explicit and grad_steps is None and not checkpoint_steps and outer is not None and inside.get():
+            if in_call(self):  # super().__call__ from a subclass's body: already set up
                 return body(self, *args, **kwargs)
             cache, options = False, outer  # a sub-pipeline of a cache=False call continues its graph
         else:
@@ -128,7 +106,7 @@ def _differentiable_call(original: Callable[..., Any], body: Callable[..., Any])
         if cache:
             return original(self, *args, **kwargs)
         _check_output_type(body, self, args, kwargs)
-        with _differentiable_run(self, options):
+        with differentiable_run(self, options):
             return body(self, *args, **kwargs)
 
     __call__.__signature__ = _signature(original)  # type: ignore[attr-defined]
@@ -145,7 +123,7 @@ def _guarded_call(original: Callable[..., Any], reason: str) -> Callable[..., An
             if name in kwargs:
                 check_flag(name, kwargs[name])
         if kwargs.get("cache", True) is False or kwargs.get("grad_steps") is not None \
-                or kwargs.get("checkpoint_steps") or ("cache" not in kwargs and _inside.get()):
+                or kwargs.get("checkpoint_steps") or ("cache" not in kwargs and inside.get()):
             raise NotDifferentiableError(f"{type(self).__name__} cannot run with cache=False: {reason}")
         for name in _NEW:
             kwargs.pop(name, None)
@@ -158,152 +136,9 @@ def _guarded_call(original: Callable[..., Any], reason: str) -> Callable[..., An
 def _helper(original: Callable[..., Any], body: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def helper(self: Any, *args: Any, **kwargs: Any) -> Any:
-        return (body if _in_call(self) and torch.is_grad_enabled() else original)(self, *args, **kwargs)
+        return (body if in_call(self) and torch.is_grad_enabled() else original)(self, *args, **kwargs)
 
     return helper
-
-
-def _cache_hook_refs(modules: list[torch.nn.Module]) -> list[Any]:
-    """The ``HookFunctionReference`` of every cache hook registered under ``modules``."""
-    from diffusers.hooks.hooks import ModelHook
-
-    refs: list[Any] = []
-    registries = {id(r): r for m in modules for s in m.modules() if (r := getattr(s, "_diffusers_hook", None))}
-    for registry in registries.values():
-        fn_refs = getattr(registry, "_fn_refs", [None] * len(registry._hook_order))
-        for name, ref in zip(registry._hook_order, fn_refs):
-            hook = registry.hooks[name]
-            if type(hook).__module__ not in _CACHE_HOOK_MODULES:
-                continue  # offloading, layerwise casting, context parallel: not caches, kept
-            if ref is None or type(hook).deinitalize_hook is not ModelHook.deinitalize_hook:
-                raise NotDifferentiableError(f"cache hook {type(hook).__name__} changed the model beyond its "
-                                             "forward chain and cannot be bypassed; call disable_cache() first")
-            refs.append(ref)
-    return refs
-
-
-@contextlib.contextmanager
-def _bypassed(refs: list[Any]) -> Iterator[None]:
-    """Cache hooks pass-through; re-entrant, so a checkpoint recompute in backward can enter it again."""
-    saved = [(ref, ref.pre_forward, ref.forward, ref.post_forward) for ref in refs]
-    for ref in refs:
-        ref.pre_forward, ref.post_forward = (lambda m, *a, **k: (a, k)), (lambda m, output: output)
-        if ref.original_forward is not None:  # the hook replaced forward (new_forward): skip it
-            ref.forward = ref.original_forward
-    try:
-        yield
-    finally:
-        for ref, pre, forward, post in reversed(saved):
-            ref.pre_forward, ref.forward, ref.post_forward = pre, forward, post
-
-
-@contextlib.contextmanager
-def _wrapped(owner: Any, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Iterator[None]:
-    """``owner.name = make(owner.name)`` for the block, unless an enclosing pipeline call did it already
-    (a sub-pipeline sharing the component); restored only if still ours (accelerate's offload hooks
-    may re-wrap ``forward`` at the end of a call: theirs is kept)."""
-    previous, inner = vars(owner).get(name, _MISSING), getattr(owner, name)
-    if getattr(inner, "_gradpatch_step", False):
-        yield
-        return
-    ours = make(inner)
-    ours._gradpatch_step = True  # type: ignore[attr-defined]
-    setattr(owner, name, ours)
-    try:
-        yield
-    finally:
-        if vars(owner).get(name) is ours:
-            delattr(owner, name) if previous is _MISSING else setattr(owner, name, previous)
-
-
-def _timestep(fn: Callable[..., Any], args: tuple, kwargs: dict) -> float | None:
-    """The (first) value of the ``timestep`` argument of ``fn(*args, **kwargs)``, if any."""
-    try:
-        t = inspect.signature(fn).bind_partial(*args, **kwargs).arguments.get("timestep")
-        return None if t is None else float(torch.as_tensor(t).flatten()[0].item())
-    except (TypeError, ValueError, IndexError, RuntimeError):
-        return None
-
-
-class _Steps:
-    """Locates denoiser calls in the loop: ``start`` + ``scheduler.step`` calls (module docstring)."""
-
-    def __init__(self, pipe: Any, options: SamplingOptions) -> None:
-        self.name, self.options, self.scheduler = type(pipe).__name__, options, getattr(pipe, "scheduler", None)
-        self.start: int | None = None
-        self.done, self.calls, self.timesteps = 0, 0, torch.empty(0)
-
-    def position(self, forward: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[int, int]:
-        self.calls += 1
-        if self.options.grad_steps is None:
-            return 0, 1  # checkpoint_steps only: the position does not matter
-        if self.start is None:
-            if getattr(self.scheduler, "timesteps", None) is None:
-                raise RuntimeError(f"grad_steps: {self.name} has no pipe.scheduler with timesteps set")
-            self.timesteps = torch.as_tensor(self.scheduler.timesteps).detach().cpu()
-            self.start = getattr(self.scheduler, "begin_index", None)
-            if not isinstance(self.start, int):
-                t = None if hasattr(self.scheduler, "set_begin_index") else _timestep(forward, args, kwargs)
-                hits = (self.timesteps == t).nonzero() if t is not None else []
-                self.start = int(hits[0]) if len(hits) else 0
-        if self.start + self.done >= len(self.timesteps):
-            raise RuntimeError(f"grad_steps: a denoiser call after the last of {len(self.timesteps)} steps; "
-                               f"{self.name} does not step pipe.scheduler once per iteration")
-        return self.start + self.done, len(self.timesteps)
-
-    def stepping(self, inner: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(inner)  # keeps inspect.signature: pipelines look for ``eta``/``generator`` in it
-        def step(*args: Any, **kwargs: Any) -> Any:
-            out = inner(*args, **kwargs)
-            t = _timestep(inner, args, kwargs) if self.start is not None else None
-            at = self.start + self.done if self.start is not None else 0
-            if t is not None and not (at < len(self.timesteps) and self.timesteps[at] == t):
-                raise RuntimeError(f"grad_steps: could not locate the denoising steps of {self.name}: "
-                                   f"scheduler.step got timestep {t}, expected {self.timesteps[at:at + 1].tolist()}")
-            self.done += 1
-            return out
-
-        return step
-
-
-@contextlib.contextmanager
-def _differentiable_run(pipe: Any, options: SamplingOptions) -> Iterator[None]:
-    named = {name: m for name, m in vars(pipe).items() if isinstance(m, torch.nn.Module)}
-    modules = list({id(m): m for m in named.values()}.values())
-    refs = _cache_hook_refs(modules)
-
-    def stepped(steps: _Steps) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-        def make(inner: Callable[..., Any]) -> Callable[..., Any]:
-            def evaluate(*args: Any, **kwargs: Any) -> Any:
-                with _bypassed(refs):  # also when checkpoint recomputes it in backward, after the call
-                    return inner(*args, **kwargs)
-
-            @functools.wraps(inner)
-            def forward(*args: Any, **kwargs: Any) -> Any:
-                return run_step(*steps.position(inner, args, kwargs), evaluate, *args, **kwargs)
-
-            return forward
-
-        return make
-
-    steps = _Steps(pipe, options) if options.grad_steps is not None or options.checkpoint_steps else None
-    if steps is not None and not any(map(_DENOISER.fullmatch, named)):  # the options would do nothing
-        raise NotDifferentiableError(f"grad_steps/checkpoint_steps: {steps.name} has no denoiser component "
-                                     f"named like {_DENOISER.pattern} (it has {sorted(named)})")
-    with contextlib.ExitStack() as stack:
-        for module in modules or [None]:
-            stack.enter_context(differentiable(module, options))  # grad on, eval() a no-op per module
-        stack.enter_context(_bypassed(refs))
-        if steps is not None:
-            if callable(getattr(steps.scheduler, "step", None)):
-                stack.enter_context(_wrapped(steps.scheduler, "step", steps.stepping))
-            for name in filter(_DENOISER.fullmatch, named):
-                stack.enter_context(_wrapped(named[name], "forward", stepped(steps)))
-        stack.callback(_inside.reset, _inside.set(_inside.get() + (pipe,)))
-        yield
-    if steps is not None and options.grad_steps is not None and steps.calls > 1 and steps.done == 0:
-        raise RuntimeError(f"grad_steps: {steps.name} never called pipe.scheduler.step, so its denoising "
-                           "steps could not be located")  # (not reached when the body raised)
 
 
 class _Hierarchy:

@@ -10,7 +10,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from gradpatch.fixes.diffusers import NotDifferentiableError
+from gradpatch.errors import NotDifferentiableError
 from gradpatch.fixes.ldm_sampling import _active, _counted, _in_ema, _sampling
 
 EMA_MESSAGE = (

@@ -57,7 +57,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from gradpatch.fixes.diffusers import NotDifferentiableError, no_grad_body
+from gradpatch.errors import NotDifferentiableError
+from gradpatch.fixes.diffusers import no_grad_body
 from gradpatch.fixes.sampling import (SamplingOptions, SamplingRun, _current, _shadow, _with_keywords,
                                       check_keywords, differentiable, run_step, sampling_options,
                                       swallowed_keywords)
