@@ -38,10 +38,11 @@ and the 5 KB CPU RNG state. Building that graph is what this costs over upstream
 under ``no_grad``. A training step of the tiny AudioLDM UNet took 3.6% longer than with upstream
 on one CPU thread, the medium one as long (``benchmarks/checkpoint_speed.py``); on an H100, where the
 CPU launching kernels bounds the step, 6% to 7% longer, AudioLDM-S's UNet included. Of the
-forward's extra CPU time, building the graph and walking it (0.4 to 1.7 us a node, by CPU) are about
-a third each, freeing it and the node's bookkeeping the rest; the backward is a little cheaper than
-upstream's (no view nodes, no argument checks in ``autograd.grad``). A forward without a graph would
-be cheaper, but the block would see another grad mode and other flags than in its recompute.
+forward's extra CPU time, building the graph is a third to a half, the walk (0.4 to 2.2 us a node,
+by CPU) a quarter to a third, freeing the graph and the node's bookkeeping the rest
+(``benchmarks/checkpoint_cost.py``). The backward costs about what upstream's does: it has no view
+nodes and skips ``autograd.grad``'s argument checks. A forward without a graph would be cheaper, but
+the block would see another grad mode and other flags than in its recompute.
 """
 from __future__ import annotations
 
