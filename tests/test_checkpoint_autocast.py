@@ -3,10 +3,10 @@ same AudioLDM UNet without any checkpoint.
 
 On CPU: upstream V1 cannot run the UNet under bf16 autocast at all (its recompute runs outside
 autocast), while the fix matches no checkpointing. Tests marked ``cuda`` (skipped without a GPU):
-dropout replaying the CUDA RNG, and fp16/bf16 autocast with ``GradScaler``. They run with
-deterministic kernels and without TF32, so that the checkpointed and the plain model compute the same
-sums in the same order; low-precision gradients are compared at rtol 1e-3 with a floor of 1e-3 of the
-largest gradient.
+dropout replaying the CUDA RNG, fp16/bf16 autocast with ``GradScaler``, and DataParallel replicas.
+They run with deterministic kernels and without TF32, so that the checkpointed and the plain model
+compute the same sums in the same order; low-precision gradients are compared at rtol 1e-3 with a
+floor of 1e-3 of the largest gradient.
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import torch
 from torch.testing import assert_close
 
 import gradpatch
+from gradpatch.fixes import checkpoint as fixed
 from gradpatch.fixes import checkpoint_budget as planner
 from test_checkpoint_upstream import TARGETS, assert_grads_equal, build, freeze, install
 
@@ -161,8 +162,6 @@ def test_cuda_data_parallel_replicas_frozen_subset(monkeypatch, deterministic_cu
     threads: the fix sends their calls to torch's checkpoint. Only cross-attention trains, so
     upstream V1 raises on the frozen replica parameters; the fix matches no checkpointing. On one
     GPU the replicas share it (``device_ids=[0, 0]``)."""
-    from gradpatch.fixes import checkpoint as fixed
-
     devices = list(range(torch.cuda.device_count())) if torch.cuda.device_count() > 1 else [0, 0]
     model = cuda_model(dropout=0.0)
     freeze(model, AUDIOLDM, "cross-attention-only")
