@@ -31,6 +31,7 @@ import itertools
 import os
 import statistics
 import sys
+from typing import Callable
 
 import torch
 
@@ -65,6 +66,24 @@ def measure_plans(model: torch.nn.Module, batch: tuple, size: int) -> list:
     plan = planner.checkpoint_plan(model)
     assert plan.complete, plan
     return [block for _, block in planner._PLANNER.live()]
+
+
+def add_budgets(model: torch.nn.Module, batch: tuple,
+                checkpoint: Callable) -> tuple[dict[str, int], dict[str, int], list]:
+    """Measure ``respect``'s and ``never``'s activations after the forward, plan budgets at
+    ``FRACTIONS`` of the gap between them and add a variant for each (through ``checkpoint``);
+    return those activations, the budgets by variant name, and the planned blocks."""
+    memory = {}
+    for variant in ("respect", "never"):
+        with speed.use(variant):
+            memory[variant] = speed.saved_bytes(model, batch)
+    gap = memory["never"] - memory["respect"]
+    sizes = {f"budget {int(f * 100)}%": int(f * gap) for f in FRACTIONS}
+    planner.reset()
+    blocks = measure_plans(model, batch, sizes["budget 50%"])
+    for variant, size in sizes.items():
+        speed.VARIANTS[variant] = (checkpoint, budget_policy(size))
+    return memory, sizes, blocks
 
 
 def raw_bytes(model: torch.nn.Module, batch: tuple, owners: list) -> list[int]:
@@ -114,16 +133,8 @@ def curve(name: str, rounds: int, warmup: int, exhaustive: bool) -> None:
     fixed_copy = fixed.replace_checkpoint(speed.V1)
     speed.VARIANTS.clear()
     speed.VARIANTS.update(BASE)
-    memory = {}
-    for variant in ("respect", "never"):
-        with speed.use(variant):
-            memory[variant] = speed.saved_bytes(model, batch)
+    memory, sizes, blocks = add_budgets(model, batch, fixed_copy)
     gap = memory["never"] - memory["respect"]
-    sizes = {f"budget {int(f * 100)}%": int(f * gap) for f in FRACTIONS}
-    planner.reset()
-    blocks = measure_plans(model, batch, sizes["budget 50%"])
-    for variant, size in sizes.items():
-        speed.VARIANTS[variant] = (fixed_copy, budget_policy(size))
     half = sizes["budget 50%"]
     speed.VARIANTS["greedy 50%"] = (fixed_copy, forced(blocks, greedy(blocks, half), half + 1))
     # The same greedy with naive byte counts, scaled so that keeping all still fills the gap.
@@ -189,17 +200,8 @@ def gpu_curve(dtype: torch.dtype | None, rounds: int) -> None:
     except RuntimeError as error:  # V1 recomputes outside autocast
         print(f"\n(V1 under {dtype}: {str(error).splitlines()[0][:100]})")
         del speed.VARIANTS["V1"]
-    memory = {}
-    for variant in ("respect", "never"):
-        with speed.use(variant):
-            memory[variant] = speed.saved_bytes(model, batch)
+    memory, sizes, _ = add_budgets(model, batch, fixed.replace_checkpoint(speed.V1))
     gap = memory["never"] - memory["respect"]
-    sizes = {f"budget {int(f * 100)}%": int(f * gap) for f in FRACTIONS}
-    planner.reset()
-    measure_plans(model, batch, sizes["budget 50%"])
-    fixed_copy = fixed.replace_checkpoint(speed.V1)
-    for variant, size in sizes.items():
-        speed.VARIANTS[variant] = (fixed_copy, budget_policy(size))
     peak = {}
     for variant in speed.VARIANTS:
         with speed.use(variant):
