@@ -8,6 +8,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -197,6 +198,33 @@ def single_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+class Interleaved:
+    """Two threads in a fixed order: "A" runs until it calls :meth:`pause` (its first call only), then
+    "B" runs to its end, then A goes on. For a sampling call that must not disturb another one running
+    at the same time (A holds its shadows on the model while B runs)."""
+
+    def __init__(self) -> None:
+        self.inside, self.b_done = threading.Event(), threading.Event()
+
+    def pause(self, *_: object) -> None:
+        """Call from A's code; also a forward pre-hook (``module, args``) that only A's thread obeys."""
+        if threading.current_thread().name == "A" and not self.inside.is_set():
+            self.inside.set()
+            assert self.b_done.wait(60)
+
+    def run(self, run_a, run_b) -> None:
+        def b() -> None:
+            assert self.inside.wait(60)
+            run_b()
+            self.b_done.set()
+
+        threads = [threading.Thread(target=run_a, name="A"), threading.Thread(target=b, name="B")]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
 
 
 def upstream_method(cls: type, name: str) -> object:

@@ -25,6 +25,7 @@ import gradpatch  # noqa: E402
 from gradpatch.fixes import ldm_sampling, sampling  # noqa: E402
 from gradpatch.fixes.diffusers import NotDifferentiableError  # noqa: E402
 from gradpatch.testing import audioldm_cond, audioldm_ldm  # noqa: E402
+from conftest import Interleaved  # noqa: E402
 
 from audioldm.latent_diffusion.ddim import DDIMSampler  # noqa: E402
 from audioldm.ldm import LatentDiffusion  # noqa: E402
@@ -475,36 +476,23 @@ def test_pixel_space_ddpm_loop():
 def test_a_concurrent_cache_true_call_is_unaffected(model):
     """Thread A (cache=False, checkpoint_steps, grad_steps) holds its shadows on the model while thread
     B samples the same model with cache=True: B gets upstream's output bit for bit, A the reference."""
-    import threading
-
     cond = audioldm_cond(1)
     torch.manual_seed(9)
     want_b, _ = upstream_sampler(model, unwrapped=False).sample(**kwargs(cond))
     want_a = reference_grads(model, cond, no_grad_calls=STEPS - 2)
-    inside, b_done, got = threading.Event(), threading.Event(), {}
-
-    def pause_a(module, args):
-        if threading.current_thread().name == "A" and not inside.is_set():
-            inside.set()
-            assert b_done.wait(60)
+    order, got = Interleaved(), {}
 
     def run_a():
         got["a"] = patched_grads(model, cond, grad_steps=2, checkpoint_steps=True)
 
     def run_b():
-        assert inside.wait(60)
         torch.manual_seed(9)  # the generator is global: A is paused, so B alone draws from it
         got["b"], _ = DDIMSampler(model).sample(**kwargs(cond))
-        b_done.set()
 
-    handle = model.model.register_forward_pre_hook(pause_a)
+    handle = model.model.register_forward_pre_hook(order.pause)
     try:
         with gradpatch.applied("audioldm"):
-            threads = [threading.Thread(target=run_a, name="A"), threading.Thread(target=run_b, name="B")]
-            for thread in threads:
-                thread.start()
-            for thread in threads:
-                thread.join(120)
+            order.run(run_a, run_b)
     finally:
         handle.remove()
     assert torch.equal(got["b"], want_b) and got["b"].grad_fn is None

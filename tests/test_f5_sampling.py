@@ -33,7 +33,8 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("f5_tts")
 
 import gradpatch  # noqa: E402
-from conftest import BackgroundCheck, assert_grads_equal, pypi_release, pypi_wheels, upstream_method  # noqa: E402
+from conftest import (BackgroundCheck, Interleaved, assert_grads_equal, pypi_release, pypi_wheels,  # noqa: E402
+                      upstream_method)
 from gradpatch.testing import f5_cfm, f5_inputs  # noqa: E402
 from gradpatch.fingerprint import fingerprint_module, fingerprint_source  # noqa: E402
 from gradpatch.fixes import sampling  # noqa: E402
@@ -286,36 +287,23 @@ def test_the_solver_global_is_shadowed_only_during_calls_that_need_steps():
 def test_a_concurrent_cache_true_call_is_unaffected():
     """Thread A (cache=False, checkpoint_steps) holds its shadows while thread B samples the same model
     with cache=True: B must get upstream's output bit for bit, A the reference gradients."""
-    import threading
-
     model = make().eval()
     cond, text = inputs()
     kw = dict(duration=20, steps=3, cfg_strength=2.0, seed=3)
     want_b, _ = upstream_sample()(model, cond, text, **kw)
     want_a = reference_grads(model, cond, text, **kw)
-    inside, b_done, got = threading.Event(), threading.Event(), {}
-
-    def pause_a(module, args):
-        if threading.current_thread().name == "A" and not inside.is_set():
-            inside.set()
-            assert b_done.wait(60)
+    order, got = Interleaved(), {}
 
     def run_a():
         got["a"] = patched_grads(model, cond, text, checkpoint_steps=True, **kw)
 
     def run_b():
-        assert inside.wait(60)
         got["b"], _ = model.sample(cond, text, **kw)
         model.transformer.__dict__.pop("_cache_local", None)  # B's own upstream cache write
-        b_done.set()
 
-    handle = model.transformer.register_forward_pre_hook(pause_a)
+    handle = model.transformer.register_forward_pre_hook(order.pause)
     with gradpatch.applied("f5_tts"):
-        threads = [threading.Thread(target=run_a, name="A"), threading.Thread(target=run_b, name="B")]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(120)
+        order.run(run_a, run_b)
     handle.remove()
     assert torch.equal(got["b"], want_b)
     assert_grads_equal(got["a"], want_a)

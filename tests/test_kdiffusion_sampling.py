@@ -33,7 +33,8 @@ with warnings.catch_warnings():
     K = pytest.importorskip("k_diffusion")
 
 import gradpatch  # noqa: E402
-from conftest import BackgroundCheck, assert_grads_equal, last_json, pypi_release, pypi_wheels, run_python  # noqa: E402
+from conftest import (BackgroundCheck, Interleaved, assert_grads_equal, last_json, pypi_release,  # noqa: E402
+                      pypi_wheels, run_python)
 from gradpatch.activation import known_patches  # noqa: E402
 from gradpatch.fingerprint import fingerprint_module  # noqa: E402
 from gradpatch.fixes import function_sampler, sampling  # noqa: E402
@@ -317,37 +318,27 @@ def test_changed_code_is_unknown_and_a_cache_flag_is_fixed_upstream():
 def test_a_concurrent_cache_true_call_is_unaffected():
     """Thread A (``grad_steps``: the loop globals shadowed) pauses inside its loop while thread B samples
     the same model with ``cache=True``: B gets upstream's output bit for bit, A the reference gradients."""
-    import threading
-
     model = make().eval()
     torch.manual_seed(5)
     want_b = upstream("sample_dpmpp_2m")(model, NOISE, SIGMAS, disable=True)
     per_step = calls_per_step("sample_dpmpp_2m")
     want_a, _ = reference(model, "sample_dpmpp_2m", no_grad_calls=sum(per_step[:-1]))
-    inside, b_done, got = threading.Event(), threading.Event(), {}
+    order, got = Interleaved(), {}
 
     def pausing(*args, **kwargs):
-        if not inside.is_set():
-            inside.set()
-            assert b_done.wait(60)
+        order.pause()
         return model(*args, **kwargs)
 
     def run_a():
         got["a"] = grads(model, "sample_dpmpp_2m", denoiser=pausing, cache=False, grad_steps=1)
 
     def run_b():
-        assert inside.wait(60)
         assert kd.trange is not upstream_trange  # A's shadow is in place
         torch.manual_seed(5)
         got["b"] = kd.sample_dpmpp_2m(model, NOISE, SIGMAS, disable=True)
-        b_done.set()
 
     upstream_trange = kd.trange
-    threads = [threading.Thread(target=run_a), threading.Thread(target=run_b)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(120)
+    order.run(run_a, run_b)
     assert torch.equal(got["b"], want_b)
     assert_grads_equal(got["a"], want_a)
     assert kd.trange is upstream_trange
