@@ -249,6 +249,20 @@ def adopt(patches: Iterable[Patch], module: ModuleType, *, late: bool, fixes: fr
         return [_records[p.name] for p in patches if p.name in _records]
 
 
+def request(patch: Patch) -> Record:
+    """Add ``patch`` to this process's catalogue and apply it now or when its module is imported
+    (:func:`gradpatch.differentiable`'s string form). Requesting the same target again with other
+    options reverts the earlier patch first. Returns its record."""
+    with _lock:
+        known = known_patches()
+        if patch.name in known and known[patch.name] != patch and patch.name in _wanted:
+            revert(patch.name)
+        known[patch.name] = patch
+        if patch.name not in _wanted:
+            _start(patch)
+        return _records[patch.name]
+
+
 def revert(*names: str | Iterable[str]) -> Report:
     """Undo patches (all if no names), newest first, restoring the original objects themselves.
 
