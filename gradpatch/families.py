@@ -6,6 +6,10 @@ definitions hashed together, and the fix of each member. The same declaration bu
 of the paths a codebase is known to use (:meth:`Family.patches`, with their provenance and version
 ranges) and is what :mod:`gradpatch.scan` looks for in every other imported module.
 
+A member is a module-level definition (``checkpoint``) or a method a class of the module defines
+itself (``BASECFM.forward``: the flow-matching family's samplers are methods); :func:`resolve` finds
+either in a module's namespace.
+
 A shape tells a member from unrelated code that happens to use the same name:
 ``torch.utils.checkpoint`` defines ``checkpoint`` and ``CheckpointFunction`` too, with other
 signatures. Shapes read code objects only: no ``inspect``, no torch. This module is imported at
@@ -25,15 +29,28 @@ def _positional(function: object) -> tuple[tuple[str, ...], bool] | None:
     """``(positional parameter names, takes *args)`` of a plain function (through staticmethod and
     ``functools.wraps`` layers), or None for anything else."""
     for _ in range(4):
+        inner = getattr(function, "__wrapped__", None) or getattr(function, "__func__", None)
+        if inner is not None:  # a decorator's wrapper (torch's no_grad) has a code of its own: look past it
+            function = inner
+            continue
         code = getattr(function, "__code__", None)
-        if code is not None:
-            return code.co_varnames[:code.co_argcount], bool(code.co_flags & _VARARGS)
-        function = getattr(function, "__func__", None) or getattr(function, "__wrapped__", None)
+        return (code.co_varnames[:code.co_argcount], bool(code.co_flags & _VARARGS)) if code is not None else None
     return None
 
 
+def resolve(namespace: Mapping[str, object], name: str) -> object:
+    """The object ``name`` (``checkpoint``, or ``Class.method`` defined in that class's own body, not
+    inherited) names in a module's ``namespace``; None if there is none."""
+    head, _, rest = name.partition(".")
+    obj = namespace.get(head)
+    for part in rest.split(".") if rest else ():
+        obj = vars(obj).get(part) if isinstance(obj, type) else None
+    return obj
+
+
 class FunctionShape(NamedTuple):
-    """A plain function whose positional parameters begin with ``parameters``."""
+    """A plain function (a method too, behind ``functools.wraps`` decorators such as torch's
+    ``no_grad``) whose positional parameters begin with ``parameters``."""
 
     parameters: tuple[str, ...]
 
@@ -86,6 +103,12 @@ class Family(NamedTuple):
     @property
     def names(self) -> tuple[str, ...]:
         return tuple(member.name for member in self.members)
+
+    @property
+    def heads(self) -> tuple[str, ...]:
+        """The module-level names a module must hold to define a member (``BASECFM`` for
+        ``BASECFM.forward``): the scan's cheap first test."""
+        return tuple(dict.fromkeys(name.partition(".")[0] for name in self.names))
 
     def is_copy(self, shaped: Sequence[str]) -> bool:
         """Whether a module whose own definitions ``shaped`` have their members' shapes holds a

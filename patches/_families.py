@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
+from gradpatch.any_sampler import sampler
 from gradpatch.families import AutogradFunctionShape, Family, FunctionShape, Member
 from gradpatch.fingerprint import IsObject
 from gradpatch.registry import Patch
@@ -43,7 +44,60 @@ CHECKPOINT = Family(
     ),
 )
 
-FAMILIES = [CHECKPOINT]
+_EULER = sampler(step="estimator", steps="n_timesteps")
+_CFM = "{}(cache=False): gradients through the Euler solve; grad_steps, checkpoint_steps"
+
+#: The conditional flow-matching decoder of Matcha-TTS (``BASECFM``), copied and extended by
+#: CosyVoice (``ConditionalCFM``/``CausalConditionalCFM``), Chatterbox's S3Gen (which vendors both),
+#: Seed-VC and IndexTTS2 (``BASECFM.inference``, Seed-VC v2's ``CFM``), VoxCPM (``UnifiedCFM``) and
+#: the detokenizers reusing CosyVoice's flow module. One shape throughout: a module holding the
+#: velocity network as ``self.estimator``, an ``@torch.inference_mode()`` entry (``forward`` or
+#: ``inference``) that draws the noise and calls an undecorated ``solve_euler``, which loops over
+#: ``n_timesteps`` Euler steps with one (CFG-batched) estimator call each; the CosyVoice line refills
+#: its CFG batch in place (``x_in[:] = x``) every step. Each entry is made differentiable by
+#: :func:`gradpatch.differentiable` (``step="estimator"``, ``steps="n_timesteps"``); the solver is
+#: hashed with the entry it serves and never replaced.
+FLOW_MATCHING = Family(
+    "flow_matching_cfm",
+    members=(
+        Member("BASECFM.forward", FunctionShape(("self", "mu", "mask", "n_timesteps")), _EULER,
+               _CFM.format("BASECFM.forward")),
+        Member("BASECFM.inference", FunctionShape(("self", "mu", "x_lens", "prompt", "style", "f0", "n_timesteps")),
+               _EULER, _CFM.format("BASECFM.inference")),
+        Member("BASECFM.solve_euler", FunctionShape(("self", "x"))),
+        Member("CausalConditionalCFM.forward", FunctionShape(("self", "mu", "mask", "n_timesteps")), _EULER,
+               _CFM.format("CausalConditionalCFM.forward")),
+        Member("ConditionalCFM.solve_euler", FunctionShape(("self", "x", "t_span", "mu", "mask"))),
+        Member("CFM.inference", FunctionShape(("self", "mu", "x_lens", "prompt", "style", "n_timesteps")), _EULER,
+               _CFM.format("CFM.inference")),
+        Member("CFM.solve_euler", FunctionShape(("self", "x", "x_lens", "prompt", "mu", "style", "t_span"))),
+        Member("UnifiedCFM.forward", FunctionShape(("self", "mu", "n_timesteps", "patch_size", "cond")), _EULER,
+               _CFM.format("UnifiedCFM.forward")),
+        Member("UnifiedCFM.solve_euler", FunctionShape(("self", "x", "t_span", "mu", "cond"))),
+    ),
+    fingerprints=(
+        (("BASECFM.forward", "BASECFM.solve_euler"), {
+            "ad6f4138cedd6742": "Matcha-TTS (matcha-tts 0.0.7.2; chatterbox-tts 0.1.7 s3gen/matcha copy)"}),
+        (("BASECFM.inference", "BASECFM.solve_euler"), {
+            "3fc09b0fa389cdd4": "Seed-VC v1 (seed-vc 0.4.3; indextts2-inference 2.1.1 s2mel copy)"}),
+        (("CausalConditionalCFM.forward", "ConditionalCFM.solve_euler"), {
+            "5ff6cd30adf72440": "Chatterbox S3Gen (chatterbox-tts 0.1.7)",
+            # CosyVoice 2/3, FunAudioLLM/CosyVoice cosyvoice/flow/flow_matching.py, by commit date.
+            # Not listed: 437c67914012dae5 (2025-01-23 to 2025-04-16), whose CausalConditionalCFM.forward
+            # takes a `cache` argument of its own, which the patched sampler's `cache` keyword would take.
+            "052fd42937c23281": "CosyVoice 2 (git 3e38100, 2024-12-11)",
+            "1219d24061d3db22": "CosyVoice 2 (git c693039, 2024-12-12)",
+            "82d203d0a4755994": "CosyVoice 2 (git 2511a49 to 3581cae, 2024-12)",
+            "de07ab99e15c170d": "CosyVoice 2 (git 77d8cf1 to 1cfc5dd 2025-01; 68100c2 2025-05-23)",
+            "bcab801eb07084bc": "CosyVoice 2 (git cbfed4a to 46dfe04, 2025-05-27 to 2025-06-25)",
+            "4c0edefff8736bdc": "CosyVoice 3 (git 5bc4b23 2025-12-12 to ace7c47 2026-03)",
+        }),
+        (("CFM.inference", "CFM.solve_euler"), {"eaf0056940c12d7d": "Seed-VC v2 (seed-vc 0.4.3)"}),
+        (("UnifiedCFM.forward", "UnifiedCFM.solve_euler"), {"ee5ccd6c16d91447": "VoxCPM (voxcpm 2.0.3)"}),
+    ),
+)
+
+FAMILIES = [CHECKPOINT, FLOW_MATCHING]
 
 
 def checkpoint_family(upstream: str, module: str, known: Mapping[str, str], *,
@@ -52,6 +106,13 @@ def checkpoint_family(upstream: str, module: str, known: Mapping[str, str], *,
     to define it, recognised by the fingerprints ``known`` (with their provenance); ``mixed`` adds
     sgm's ``mixed_checkpoint``. Fingerprints cover all the definitions."""
     return CHECKPOINT.patches(upstream, module, known, over=_MIXED if mixed else _PAIR, requires=requires)
+
+
+def flow_matching_family(upstream: str, module: str, over: tuple[str, ...], *,
+                         requires: str | None = None) -> list[Patch]:
+    """The :data:`FLOW_MATCHING` patches of the entries in ``over`` (an entry and its solver) that
+    ``upstream`` defines in ``module``, recognised by every known fingerprint of ``over``."""
+    return FLOW_MATCHING.patches(upstream, module, FLOW_MATCHING.known(over), over=over, requires=requires)
 
 
 def torch_checkpoint_default(name: str, upstream: str, module: str, provenance: str) -> Patch:
