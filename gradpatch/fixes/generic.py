@@ -159,10 +159,14 @@ class _Run:
                                "calls once (pass the method one step calls, or use checkpoint_steps)")
         held = {id(a): self.cow.hold(a) for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)}
 
+        def was(x: Any) -> Any:  # an input as it was; a copy keeps its requires_grad, or the recompute
+            if id(x) not in held:  # would save other tensors than the forward (CheckpointError)
+                return x
+            value = held[id(x)].value()
+            return value if value is x else value.detach().requires_grad_(x.requires_grad)
+
         def evaluate(*a: Any, **k: Any) -> Any:  # in a checkpoint recompute: the inputs as they were
-            a = tuple(held[id(x)].value() if id(x) in held else x for x in a)
-            k = {n: held[id(x)].value() if id(x) in held else x for n, x in k.items()}
-            return real(*a, **k)
+            return real(*(was(x) for x in a), **{n: was(x) for n, x in k.items()})
 
         self.inside = True
         try:
