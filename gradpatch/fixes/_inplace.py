@@ -9,7 +9,10 @@ sees every in-place torch call (``__setitem__``, ``__iadd__`` and the other augm
 copied (copy on write), and backward reads the copy. So the gradients are those of the out-of-place
 computation, and memory grows only by the tensors actually overwritten after being saved. An
 augmented assignment to a leaf that requires grad (the caller's noise) becomes out of place (Python
-rebinds the name), which autograd would otherwise refuse.
+rebinds the name), which autograd would otherwise refuse. ``.numpy()`` of a tensor that requires grad
+is refused with its place (the result would leave torch). In the first N-K steps of a ``grad_steps``
+call, a tensor updated in place is detached in place first, so the latent entering step N-K carries
+no graph (torch would keep its old history).
 
 What breaks: a write that torch does not dispatch through ``__torch_function__`` (``.data`` copies,
 C++ extensions writing into a tensor they were given) is not seen; backward then raises (the saved
@@ -20,11 +23,15 @@ call each): small next to a network's kernels, noticeable for tiny ones.
 """
 from __future__ import annotations
 
+import sys
 import weakref
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
+
+from gradpatch.errors import NotDifferentiableError
+from gradpatch.fixes import sampling as _sampling
 
 _AUGMENTED = {"__iadd__": "__add__", "__isub__": "__sub__", "__imul__": "__mul__", "__itruediv__": "__truediv__",
               "__ifloordiv__": "__floordiv__", "__imod__": "__mod__", "__ipow__": "__pow__",
@@ -96,12 +103,22 @@ class CopyOnWrite(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
+        if name == "numpy" and args and isinstance(args[0], torch.Tensor) and args[0].requires_grad:
+            frame = sys._getframe(1)
+            raise NotDifferentiableError(
+                f"gradpatch.differentiable: .numpy() at {frame.f_code.co_filename}:{frame.f_lineno} takes the result "
+                "out of torch, where gradients cannot follow. Differentiate the tensor before the conversion "
+                "(call the part of the sampler that returns it)")
         if name in _AUGMENTED and args and isinstance(args[0], torch.Tensor) and args[0].is_leaf \
                 and args[0].requires_grad and torch.is_grad_enabled():
             return getattr(torch.Tensor, _AUGMENTED[name])(*args, **kwargs)  # x += v: rebinds x, out of place
         if args and (name == "__setitem__" or name in _AUGMENTED
                      or (name.endswith("_") and not name.startswith("_") and name not in _NOT_WRITES)):
             self._protect(args[0])
+            target = args[0]
+            if isinstance(target, torch.Tensor) and target.requires_grad and target._base is None \
+                    and not torch.is_grad_enabled() and getattr(_sampling._current.get(), "cut", False):
+                target.detach_()  # grad_steps: a state updated in place in an early step leaves the graph
         out = kwargs.get("out")
         if out is not None:
             for tensor in out if isinstance(out, (tuple, list)) else (out,):
