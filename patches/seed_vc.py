@@ -9,6 +9,13 @@ gradients to the estimator and to ``mu``, ``prompt``, ``style``. ``solve_euler``
 ``zero_prompt_speech_token``; that write is copied on write during a ``cache=False`` call.
 The wrappers above (``VoiceConversionWrapper.convert_*``, ``IndexTTS2.infer``) end in numpy or run
 the GPT on discrete codes: not declared. Tested against seed-vc 0.4.3 and indextts2-inference 2.1.1.
+
+``checkpoint_steps`` caveat, measured on a tiny DiT with torch 2.14.1 on CPU: if the very first forward
+of Seed-VC's DiT in a process runs inside a non-reentrant checkpoint, its parameter gradients are wrong
+(every parameter before the WaveNet head, whose gate is a ``@torch.jit.script`` function); that is
+``torch.utils.checkpoint(..., use_reentrant=False)`` on the estimator alone, without gradpatch. Any
+earlier forward of a DiT in the process, even under ``no_grad``, avoids it; then the gradients equal
+the plain run's (tested).
 """
 from ._families import flow_matching_family
 

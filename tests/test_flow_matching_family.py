@@ -264,3 +264,19 @@ def test_a_copy_at_another_path_is_found_by_scan(tmp_path: Any) -> None:
     assert rows == {"myfork.cfm.BASECFM.forward": "applied", "myfork.changed.BASECFM.forward": "skipped"}
     assert has_grad
     assert warned and "does not match any known version" in warned[0]
+
+
+@pytest.mark.parametrize("name", ["chatterbox", "chatterbox-matcha"])
+def test_checkpoint_steps_with_only_the_estimator_trainable(name: str) -> None:
+    """No input requires grad: Chatterbox's refilled CFG buffers gain ``requires_grad`` only from the
+    second step on, and each step's recompute must see them as they were (else ``CheckpointError``).
+    Seed-VC is left out: the first checkpointed forward of its DiT in a process gives wrong parameter
+    gradients under ``torch.utils.checkpoint(use_reentrant=False)`` alone (see patches/seed_vc.py)."""
+    case = CASES[name]
+    _imports(case)
+    model, kw = case.build()
+    with gradpatch.applied(case.upstream):
+        torch.manual_seed(0)
+        got = _grads(case.call(model, kw, cache=False, checkpoint_steps=True), model, kw, ())
+    torch.manual_seed(0)
+    _assert_close(got, _grads(case.reference(model, 0, **kw), model, kw, ()))

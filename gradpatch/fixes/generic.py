@@ -157,13 +157,16 @@ class _Run:
             raise RuntimeError(f"gradpatch.differentiable({self.sampler.where}): grad_steps: step was called "
                                f"more than the {self.total} times steps says; step must be what one sampler step "
                                "calls once (pass the method one step calls, or use checkpoint_steps)")
-        held = {id(a): self.cow.hold(a) for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)}
+        held = {id(a): (self.cow.hold(a), a.requires_grad) for a in (*args, *kwargs.values())
+                if isinstance(a, torch.Tensor)}
 
-        def was(x: Any) -> Any:  # an input as it was; a copy keeps its requires_grad, or the recompute
-            if id(x) not in held:  # would save other tensors than the forward (CheckpointError)
+        def was(x: Any) -> Any:  # an input as it was, requires_grad included (a buffer refilled later may
+            if id(x) not in held:  # have gained it), or the recompute saves other tensors (CheckpointError)
                 return x
-            value = held[id(x)].value()
-            return value if value is x else value.detach().requires_grad_(x.requires_grad)
+            saved, requires_grad = held[id(x)]
+            value = saved.value()
+            return value if value is x and x.requires_grad == requires_grad else \
+                value.detach().requires_grad_(requires_grad)
 
         def evaluate(*a: Any, **k: Any) -> Any:  # in a checkpoint recompute: the inputs as they were
             return real(*(was(x) for x in a), **{n: was(x) for n, x in k.items()})
