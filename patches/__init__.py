@@ -25,4 +25,5 @@ MODULES = (
     "seed_vc",
     "cosyvoice",
     "voxcpm",
+    "denoising_diffusion_pytorch",
 )
