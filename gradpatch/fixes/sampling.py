@@ -195,6 +195,13 @@ def text_cache_off(denoiser: object) -> Iterator[None]:
         yield
 
 
+def recording() -> bool:
+    """Whether this context records a graph: grad on, or off only because ``grad_steps`` cut the early
+    steps (fixes that run their bodies only while grad is on must keep doing so in those steps)."""
+    run = _current.get()
+    return torch.is_grad_enabled() or (run is not None and run.cut)
+
+
 def run_step(step: int, total: int, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     """Evaluate the denoiser for step ``step`` (0-based) of ``total`` under the active options.
 
