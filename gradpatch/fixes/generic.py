@@ -116,6 +116,8 @@ class Sampler:
         if bound is not None and head in self.signature.parameters:  # type: ignore[union-attr]
             bound.apply_defaults()
             value = bound.arguments[head]
+        elif head == "self" and owner is not None:
+            value = owner
         elif owner is not None and hasattr(owner, head):
             value = getattr(owner, head)
         else:
