@@ -67,7 +67,11 @@ run torch's own code). ``checkpoint_steps`` costs a second forward of each step.
 
 **What breaks.** Writes torch does not dispatch (``.data`` copies, C++ extensions) into tensors saved
 for backward raise in backward. ``torch._C._set_grad_enabled(False)`` called directly is not seen.
-Code compiled with ``torch.compile`` inside the call may graph-break at the mode.
+Code compiled with ``torch.compile`` inside the call may graph-break at the mode. A network that caches
+a tensor across steps (F5-TTS's text embedding with ``cache=True``) computes it in the first step: with
+``grad_steps`` that step is not recorded, so the cached tensor is a constant in the last K steps and
+its parameters get no gradient; with ``checkpoint_steps`` a recompute may find the cache cleared and
+raise ``CheckpointError``. Turn such caches off for the call (the catalogued F5 fix does).
 
 **In the catalogue.** A codebase entry in ``patches/`` declares a sampler made differentiable this way
 with :func:`sampler` as its fix (recognised by fingerprint like any other)::

@@ -79,18 +79,25 @@ def in_sampler(frame: FrameType | None, call: Call) -> bool:
     return False
 
 
-_calls_cache: dict[CodeType, dict[int, str]] = {}
+_opcodes: dict[CodeType, tuple[dict[int, int], list[str]]] = {}
+_WITH_MACHINERY = frozenset({"LOAD_SPECIAL", "COPY", "SWAP", "PUSH_NULL", "NOP", "CACHE"})  # 3.14's with
 
 
 def _fresh(frame: FrameType) -> bool:
     """Whether the ``with`` being entered in ``frame`` made its manager by a call (``with f():``), not
-    from a variable or attribute (``with ctx:``)."""
+    from a variable or attribute (``with ctx:``): the instruction that produced it is a call."""
     code = frame.f_code
-    previous = _calls_cache.get(code)
-    if previous is None:
+    if code not in _opcodes:
         instructions = list(dis.get_instructions(code))
-        previous = _calls_cache[code] = {b.offset: a.opname for a, b in zip(instructions, instructions[1:])}
-    return previous.get(frame.f_lasti, "CALL").startswith(("CALL", "PRECALL"))
+        _opcodes[code] = ({ins.offset: i for i, ins in enumerate(instructions)}, [ins.opname for ins in instructions])
+    index, names = _opcodes[code]
+    at = index.get(frame.f_lasti)
+    if at is None:
+        return True  # not a layout this knows: lift, as for a fresh manager
+    at -= 1
+    while at >= 0 and names[at] in _WITH_MACHINERY:
+        at -= 1
+    return at < 0 or names[at].startswith(("CALL", "PRECALL"))
 
 
 def _lift(frame: FrameType, what: str, *, check_fresh: bool = True) -> bool:
@@ -190,10 +197,9 @@ def active(call: Call) -> Iterator[None]:
     global _users
     with _lock:
         if _users == 0:
-            saved = [vars(owner).get(name) for owner, name, _ in _PATCHES]
-            for (owner, name, ours), was in zip(_PATCHES, saved):
-                if was is not None:
-                    setattr(owner, name, ours)
+            for (owner, name, ours), key in zip(_PATCHES, _ORIGINAL):
+                _ORIGINAL[key] = vars(owner)[name]  # whatever is there now (another library's, too)
+                setattr(owner, name, ours)
         _users += 1
     token = _active.set(call)
     try:
