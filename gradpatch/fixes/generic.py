@@ -24,7 +24,8 @@ import torch
 from gradpatch.errors import NotDifferentiableError
 from gradpatch.fixes import _gradoff
 from gradpatch.fixes._inplace import CopyOnWrite
-from gradpatch.fixes.sampling import SamplingRun, _shadow, _with_keywords, run_step, sampling_options
+from gradpatch.fixes.sampling import (SamplingRun, _shadow, _with_keywords, run_step, sampling_options,
+                                      stepped_odeint)
 
 _UNSET: Any = object()
 
@@ -120,9 +121,11 @@ class Sampler:
             value = owner
         elif owner is not None and hasattr(owner, head):
             value = getattr(owner, head)
+        elif head in vars(sys.modules.get(getattr(self.fn, "__module__", None) or "") or types.SimpleNamespace()):
+            value = vars(sys.modules[self.fn.__module__])[head]  # a global of the sampler's module (odeint)
         else:
-            raise NotDifferentiableError(f"gradpatch.differentiable({self.where}): {name!r} is neither an "
-                                         "argument of the sampler nor an attribute of its object")
+            raise NotDifferentiableError(f"gradpatch.differentiable({self.where}): {name!r} is neither an argument "
+                                         "of the sampler, an attribute of its object nor a global of its module")
         for part in rest:
             value = getattr(value, part)
         return value
@@ -131,6 +134,13 @@ class Sampler:
         steps = self.steps(bound.arguments if bound else {}) if callable(self.steps) else \
             self._lookup(self.steps, bound, owner)
         return int(steps)
+
+    def ode(self) -> bool:
+        """Whether ``step`` is torchdiffeq's ``odeint`` as the sampler's module names it: then the solver
+        numbers the steps (:func:`~gradpatch.fixes.sampling.stepped_odeint`) and ``t`` gives N."""
+        module = sys.modules.get(getattr(self.fn, "__module__", None) or "")
+        step = vars(module).get(self.step) if isinstance(self.step, str) and module is not None else self.step
+        return str(getattr(step, "__module__", "")).startswith("torchdiffeq") and callable(step)
 
     def target(self, bound: inspect.BoundArguments | None, owner: Any) -> tuple[Any, str]:
         """``(object, attribute)`` to shadow so that every call of the step goes through gradpatch."""
@@ -207,13 +217,14 @@ def call(sampler: Sampler, original: Callable[..., Any], args: tuple, kwargs: di
     if (options.grad_steps is not None or options.checkpoint_steps) and sampler.step is None:
         raise ValueError(f"gradpatch.differentiable({where}): grad_steps and checkpoint_steps need step=, what one "
                          "sampler step calls (a module, a method, or the name of an attribute or argument)")
-    if options.grad_steps is not None and sampler.steps is None:
+    ode = sampler.step is not None and sampler.ode()
+    if options.grad_steps is not None and sampler.steps is None and not ode:
         raise ValueError(f"gradpatch.differentiable({where}): grad_steps needs steps=, the argument holding the "
                          "number of steps")
     bound = None
     if sampler.signature is not None and (sampler.step is not None or sampler.steps is not None):
         bound = sampler.signature.bind(*args, **kwargs)
-    total = sampler.total(bound, owner) if options.grad_steps is not None else None
+    total = sampler.total(bound, owner) if options.grad_steps is not None and not ode else None
     cow = CopyOnWrite()
     run = _Run(sampler, total, cow)
     state = SamplingRun(options)
@@ -237,7 +248,7 @@ def call(sampler: Sampler, original: Callable[..., Any], args: tuple, kwargs: di
         stack.enter_context(_modes_kept([owner, sampler.step if not isinstance(sampler.step, str) else None]))
         if sampler.step is not None:
             obj, name = sampler.target(bound, owner)
-            stack.enter_context(_shadow(obj, name, _stepped))
+            stack.enter_context(_shadow(obj, name, stepped_odeint if ode else _stepped))
         with entered():
             out = _start(original, args, kwargs)
         if inspect.isgenerator(out):
@@ -246,7 +257,7 @@ def call(sampler: Sampler, original: Callable[..., Any], args: tuple, kwargs: di
         raise RuntimeError(f"gradpatch.differentiable({where}): grad_steps: step was called {run.count} times, but "
                            f"steps says {total}; the last K steps cannot be told apart. Pass as step what one "
                            "sampler step calls once, or use checkpoint_steps")
-    if options.checkpoint_steps and run.count == 0:
+    if options.checkpoint_steps and state.evaluations == 0:
         raise RuntimeError(f"gradpatch.differentiable({where}): checkpoint_steps had no effect: step was never called")
     if wanted and not any(t.requires_grad for t in _tensors(out)):
         raise NotDifferentiableError(f"gradpatch.differentiable({where}) returned {_describe(out)}; gradients "

@@ -16,8 +16,10 @@ options bound that (used with ``cache=False``):
 
 * ``grad_steps=K``: a graph only through the last K steps (truncated backpropagation, as in DRaFT-K
   and AlignProp): grad is off from the first evaluation of step 0 until the last evaluation of step
-  N-K-1 returns, so those evaluations and the state updates between them are not recorded and the
-  latent entering step N-K has no graph (the initial noise gets no gradient). Gradients equal those
+  N-K-1 returns, so those evaluations and the state updates between them are not recorded, and from
+  then until step N-K starts whatever is computed from those evaluations is not recorded either
+  (:mod:`gradpatch.fixes._window`): the latent entering step N-K has no graph (the initial noise gets
+  no gradient), the conditioning prepared for it has. Gradients equal those
   of a run that detaches the state before step N-K; what the sampler computes before its first step
   (conditioning) and inputs used in the last K steps or after the loop (F5 pastes ``cond`` into the
   output) still get theirs. ``K >= N`` is the plain run.
@@ -73,6 +75,19 @@ class SamplingRun:
     cut: bool = False  # grad_steps: grad is off from the first step until step N-K-1 ends
     scopes: list[Callable[[], ContextManager[Any]]] = field(default_factory=list, repr=False)
 
+    window: Any = None  # grad_steps: the _window.Window between steps N-K-1 and N-K, while open
+
+    def open_window(self, tainted: Any) -> None:
+        from gradpatch.fixes._window import Window
+
+        self.window = Window(tainted)
+        self.window.__enter__()
+
+    def close_window(self) -> None:
+        if self.window is not None:
+            window, self.window = self.window, None
+            window.__exit__(None, None, None)
+
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
         """Make this run current and its scopes hold, for the duration of the block."""
@@ -81,6 +96,7 @@ class SamplingRun:
             with contextlib.ExitStack() as stack:
                 for scope in self.scopes:
                     stack.enter_context(scope())
+                stack.callback(self.close_window)
                 yield
         finally:
             _current.reset(token)
@@ -217,16 +233,20 @@ def run_step(step: int, total: int, fn: Callable[..., T], *args: Any, **kwargs: 
     options = run.options
     first = total - options.grad_steps if options.grad_steps is not None else 0
     if step < first:
-        # Not recorded: this step's evaluations and the state update after them, until the last
-        # evaluation of step N-K-1 returns, so the latent entering step N-K has no graph (DRaFT-K).
+        # Not recorded: this step's evaluations and the state updates after them. Grad resumes when
+        # the last evaluation of step N-K-1 returns; until step N-K starts, what is computed from the
+        # cut evaluations stays unrecorded (gradpatch.fixes._window), so the latent entering step N-K
+        # has no graph (DRaFT-K) while the conditioning prepared for it has.
+        run.close_window()
         torch._C._set_grad_enabled(False)
         run.cut = True
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            if step == first - 1:
-                torch._C._set_grad_enabled(True)
-                run.cut = False
+        out = fn(*args, **kwargs)
+        if step == first - 1:
+            torch._C._set_grad_enabled(True)
+            run.cut = False
+            run.open_window(out)
+        return out
+    run.close_window()
     if run.cut:  # a step at or after N-K whose predecessor did not end the cut (steps skipped)
         torch._C._set_grad_enabled(True)
         run.cut = False
