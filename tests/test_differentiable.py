@@ -257,3 +257,29 @@ def test_string_target_patched_when_imported(tmp_path):
         print(json.dumps([statuses, graph, fs.InBody.sample is original]))
     """, pythonpath=[Path(__file__).parent])
     assert last_json(result) == [["deferred", "applied"], [False, True], True]
+
+
+def test_a_concurrent_upstream_call_in_another_thread_is_unaffected():
+    """Thread A pauses inside a differentiable call (torch's managers patched at class level meanwhile)
+    while thread B runs upstream's decorated sampler: B gets no graph and its own eval(), A its graph."""
+    from conftest import Interleaved
+
+    a, b = make(fs.EveryLevel), make(fs.EveryLevel)
+    a.train(), b.train()
+    x, mu = inputs()
+    order, got = Interleaved(), {}
+    a.model.register_forward_pre_hook(order.pause)
+
+    def run_a():
+        got["a"] = gradpatch.differentiable(a.sample)(x, mu)
+
+    def run_b():
+        got["b"] = b.sample(x, mu)
+        got["b modes"] = b.training
+
+    order.run(run_a, run_b)
+    assert not got["b"].requires_grad and got["b modes"] is False
+    assert got["a"].requires_grad and a.training
+    params = list(a.parameters())
+    assert_grads_equal(grads(got["a"].sum(), x, *params), grads(euler(a.model, x, mu, 3).sum(), x, *params))
+    assert torch.no_grad.__enter__.__module__ == "torch.autograd.grad_mode"  # patches gone after the call
