@@ -149,7 +149,10 @@ _UNCHECKED: list[Any] = []  # storages in _LIVE not yet seen by a backward
 def _at_backward() -> None:
     """At a measured block's first recompute the forward is over and every block was checkpointed
     (as under ``respect``): a shared storage still alive that no checkpointed call took is held by
-    something else (an op outside the blocks that saved it, the caller's output) and costs nothing."""
+    something else (a tensor computed before the call, kept by its module) and costs nothing. (A
+    backward inside ``torch.autocast`` finds its cached weight casts alive too: they are taken as
+    held, and a plan keeping them may exceed its budget by their size; torch recommends the
+    backward outside autocast.)"""
     while _UNCHECKED:
         entry = _LIVE.get(_UNCHECKED.pop())
         if entry is not None and not entry[0].expired() and not entry[2].consumers.get(entry[1]):
