@@ -144,6 +144,7 @@ def test_a_block_state_key_is_cheap_and_follows_registration():
     block.linear.weight.requires_grad_(False)
     assert planner._state(block) != first
     block.extra = torch.nn.Linear(2, 2)  # a new submodule: its parameters are listed again
+    assert planner._state(block)[1] == 0b1110
     assert len(planner._PARAMS[block][1]) == 4
     block.eval()
     assert planner._state(block)[0] is False
