@@ -150,3 +150,36 @@ def test_a_block_state_key_is_cheap_and_follows_registration():
     assert planner._state(block)[0] is False
     block.double()
     assert planner._state(block)[2] is torch.float64
+
+
+def test_tradeoff_table_plot_and_cli(tmp_path, capsys):
+    from gradpatch import cli
+    from gradpatch.fixes.checkpoint_tradeoff import tradeoff
+
+    model, x = chain(6), torch.randn(64, 128)
+    result = tradeoff(lambda: model(x).mean().backward(), fractions=(0.5,), repeats=1)
+    assert [p.policy.split(":")[0] for p in result] == ["respect", "budget", "never"]
+    respect, half, never = result
+    assert respect.extra_bytes == 0 and respect.ratio == 1
+    assert 0 < half.extra_bytes <= never.extra_bytes and never.extra_bytes > 0
+    assert "beyond respect" in str(result) and "budget:" in str(result)
+    assert "gradpatch tradeoff [" in capsys.readouterr().err  # the progress bar
+    pytest.importorskip("matplotlib")
+    result.plot(str(tmp_path / "curve.png"))
+    assert (tmp_path / "curve.png").read_bytes()[:4] == b"\x89PNG"
+    (tmp_path / "mystep.py").write_text(
+        "import torch\n"
+        "def make():\n"
+        "    layer = torch.nn.Linear(4, 4)\n"
+        "    return lambda: layer(torch.randn(2, 4)).sum().backward()\n")
+    import os
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        assert cli.main(["tradeoff", "mystep:make", "--repeats", "1", "--fractions", "0.5"]) == 0
+        assert cli.main(["tradeoff", "mystep:missing"]) == 2
+    finally:
+        os.chdir(cwd)
+    captured = capsys.readouterr()
+    assert "respect" in captured.out and "never" in captured.out
+    assert "cannot load 'mystep:missing'" in captured.err
