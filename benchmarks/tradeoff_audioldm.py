@@ -32,7 +32,7 @@ def make_step():
 
 
 if __name__ == "__main__":
-    from gradpatch.fixes.checkpoint_tradeoff import tradeoff
+    from gradpatch.checkpointing.tradeoff import tradeoff
 
     result = tradeoff(make_step(), fractions=(0.25, 0.5, 0.75), repeats=15)
     print(result)

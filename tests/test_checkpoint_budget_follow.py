@@ -14,8 +14,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import gradpatch
-from gradpatch.fixes import checkpoint_budget as planner
-from gradpatch.fixes.checkpoint import checkpoint
+from gradpatch.checkpointing import budget as planner
+from gradpatch.checkpointing.checkpoint import checkpoint
 
 
 class Block(torch.nn.Module):
@@ -154,7 +154,7 @@ def test_a_block_state_key_is_cheap_and_follows_registration():
 
 def test_tradeoff_table_plot_and_cli(tmp_path, capsys):
     from gradpatch import cli
-    from gradpatch.fixes.checkpoint_tradeoff import tradeoff
+    from gradpatch.checkpointing.tradeoff import tradeoff
 
     model, x = chain(6), torch.randn(64, 128)
     result = tradeoff(lambda: model(x).mean().backward(), fractions=(0.5,), repeats=1)

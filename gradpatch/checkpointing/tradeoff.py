@@ -9,7 +9,7 @@ planning steps; wall time, after a CUDA synchronisation where CUDA is in use), a
 ``respect``'s time. ``gradpatch tradeoff MODULE:FACTORY`` does the same from the command line.
 
 Cost: about ``(2 + len(fractions)) * (planning + repeats + 1)`` steps; the budget plans are measured
-afresh (:func:`gradpatch.fixes.checkpoint_budget.reset`). The step must be repeatable: it is called
+afresh (:func:`gradpatch.checkpointing.budget.reset`). The step must be repeatable: it is called
 many times, with the optimiser (if it steps one) moving the weights. Only blocks the caller asks to
 checkpoint (upstream's ``flag=True``) are affected: a model without such blocks shows one point.
 The PNG plot needs matplotlib (``pip install matplotlib``); the table does not.
@@ -24,7 +24,7 @@ from typing import Callable, NamedTuple, Sequence
 import torch
 
 import gradpatch
-from gradpatch.fixes import checkpoint_budget
+from gradpatch.checkpointing import budget as checkpoint_budget
 
 
 class Point(NamedTuple):

@@ -1,14 +1,14 @@
 """The ``budget:<size>`` checkpoint policy: measure each checkpointed block, then keep the ones that
 save the most time within the budget.
 
-A block is a module's method passed to :func:`gradpatch.fixes.checkpoint.checkpoint` with
+A block is a module's method passed to :func:`gradpatch.checkpointing.checkpoint.checkpoint` with
 ``flag=True`` (upstream's ``checkpoint(self._forward, inputs, self.parameters(), flag)``), at given
 input shapes, dtypes, devices and autocast state, and in a given state of its module: training mode,
 which of its parameters require grad, their dtype. A change of any of these (gradual unfreezing,
 ``train()`` after ``eval()``, autocast turned on, ``half()``) makes a new block, measured again: what
 a block keeps follows them. The module's state is one key per call (its parameters' flags read from
-a list kept per module, walked again only after a parameter or submodule was registered anywhere). Blocks the caller does not ask to checkpoint
-(``flag=False``) run directly, as under ``respect``; so do all blocks under ``no_grad``.
+a list kept per module, walked again only after a parameter or submodule was registered anywhere).
+Blocks the caller does not ask to checkpoint (``flag=False``) run directly, as under ``respect``; so do all blocks under ``no_grad``.
 
 **Measurement** (each block's first :data:`TIMING_CALLS` calls at new shapes). The block is
 checkpointed as under ``respect``. The checkpoint's forward runs ``func`` as the caller would,
@@ -18,16 +18,16 @@ inputs and of the module's parameters and buffers (kept anyway) and less the CPU
 checkpoint keeps: what keeping the block keeps. A saved storage still alive after the call (its
 output saved by its last op, as ``sigmoid`` does) is shared: the next checkpointed block takes it as
 input and holds it anyway while recomputed, so it costs only where every block taking it is kept,
-and once however many blocks keep it (``gradpatch.fixes._budget_measure``). No extra run and no extra memory: gradients and the
+and once however many blocks keep it (``gradpatch.checkpointing._measure``). No extra run and no extra memory: gradients and the
 step's peak are ``respect``'s. Timed (thread CPU time on one CPU thread, wall time after a device
 synchronisation otherwise): the recompute in backward, and the checkpoint's forward call beyond
 ``func`` itself; their sum, fastest of the measured calls each, is what keeping the block saves.
 
 **Plan.** A block is a knapsack item per input signature. Once every block called since the last
 new one appeared has been measured (normally after the first :data:`TIMING_CALLS` training steps),
-a 0/1 knapsack (:func:`gradpatch.budget.choose`) picks the blocks to keep (run without recompute):
-the most seconds saved with at most ``<size>`` bytes kept, shared storages counted once and only
-where they cost (:func:`gradpatch.budget.choose_shared`). Kept blocks run ``func(*inputs)``
+a 0/1 knapsack (:func:`gradpatch.checkpointing.plan.choose`) picks the blocks to keep (run without
+recompute): the most seconds saved with at most ``<size>`` bytes kept, shared storages counted once
+and only where they cost (:func:`gradpatch.checkpointing.plan.choose_shared`). Kept blocks run ``func(*inputs)``
 directly, exactly as under ``never``. New shapes (batch size, resolution) make new blocks, which are
 checkpointed and measured; blocks not called since drop out of the next plan, solved once the new
 ones are measured. Meanwhile kept blocks at unchanged shapes stay kept, so the kept total never
@@ -51,12 +51,12 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from gradpatch import budget
-from gradpatch.budget import Plan, PlanEntry
-from gradpatch.fixes._compat import autocast_dtype, autocast_enabled, is_compiling
-from gradpatch.fixes import _budget_measure as _bytes
-from gradpatch.fixes._budget_measure import _Measured, measure
-from gradpatch.fixes.checkpoint import _checkpoint
+from gradpatch.checkpointing import _measure as _bytes
+from gradpatch.checkpointing import plan as budget
+from gradpatch.checkpointing._compat import autocast_dtype, autocast_enabled, is_compiling
+from gradpatch.checkpointing._measure import _Measured, measure
+from gradpatch.checkpointing._paths import run as _checkpoint
+from gradpatch.checkpointing.plan import Plan, PlanEntry
 
 __all__ = ["checkpoint_plan", "Plan", "PlanEntry", "reset"]
 
