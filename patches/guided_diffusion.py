@@ -16,9 +16,9 @@ caller's grad mode holds between items): gradients reach the ``model`` argument'
 its gradient with ``th.autograd.grad`` without ``create_graph``: it enters the sample as a constant.
 Only the sdk's copies are declared (openai/guided-diffusion's differ: fingerprints in the survey).
 """
-from gradpatch.any_sampler import sampler
-from gradpatch.fingerprint import Fingerprints
-from gradpatch.registry import Patch
+from gradpatch.sampling.any_sampler import sampler
+from gradpatch.patching.fingerprint import Fingerprints
+from gradpatch.patching.registry import Patch
 
 from ._families import checkpoint_family
 

@@ -135,7 +135,7 @@ def test_buffers_refilled_and_state_updated_in_place():
 
 
 @pytest.mark.parametrize("checkpoint_steps", [False, True])
-@pytest.mark.parametrize("k", [1, 2, 4, 6])
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 6])
 def test_grad_steps_is_a_graph_through_the_last_k_steps(k, checkpoint_steps):
     model = make(fs.Buffers)
     noise, mu = inputs()
@@ -148,6 +148,27 @@ def test_grad_steps_is_a_graph_through_the_last_k_steps(k, checkpoint_steps):
         assert got[0] is None and want[0] is None  # the initial noise: none (DRaFT-K)
         got, want = got[1:], want[1:]
     assert_grads_equal(got, want)
+
+
+@pytest.mark.parametrize("options", [{}, {"grad_steps": 1}, {"grad_steps": 3, "checkpoint_steps": True},
+                                     {"checkpoint_steps": True}])
+def test_a_module_level_odeint_numbers_the_steps(options):
+    if fs.odeint is None:
+        pytest.skip("torchdiffeq is not installed")
+    model = make(fs.OdeCFM).train()
+    cond = inputs()[1]
+    out = gradpatch.differentiable(model.sample, step="odeint")(cond, **options)
+    assert model.training
+    net = model.transformer
+
+    def cfg(x, mu, t):
+        pred = net(x, mu, t)
+        return pred + (pred - net(x, torch.zeros_like(mu), t)) * 2.0  # the ODE's velocity; euler() steps 1/4
+
+    k = options.get("grad_steps")
+    want = euler(lambda x, mu, t: cfg(x, mu, torch.tensor(t)), cond * 0.5, cond, 4, detach_at=4 - k if k else None)
+    params = list(model.parameters())
+    assert_grads_equal(grads(out.square().sum(), cond, *params), grads(want.square().sum(), cond, *params))
 
 
 def test_checkpoint_steps_matches_the_plain_run():
@@ -236,3 +257,29 @@ def test_string_target_patched_when_imported(tmp_path):
         print(json.dumps([statuses, graph, fs.InBody.sample is original]))
     """, pythonpath=[Path(__file__).parent])
     assert last_json(result) == [["deferred", "applied"], [False, True], True]
+
+
+def test_a_concurrent_upstream_call_in_another_thread_is_unaffected():
+    """Thread A pauses inside a differentiable call (torch's managers patched at class level meanwhile)
+    while thread B runs upstream's decorated sampler: B gets no graph and its own eval(), A its graph."""
+    from conftest import Interleaved
+
+    a, b = make(fs.EveryLevel), make(fs.EveryLevel)
+    a.train(), b.train()
+    x, mu = inputs()
+    order, got = Interleaved(), {}
+    a.model.register_forward_pre_hook(order.pause)
+
+    def run_a():
+        got["a"] = gradpatch.differentiable(a.sample)(x, mu)
+
+    def run_b():
+        got["b"] = b.sample(x, mu)
+        got["b modes"] = b.training
+
+    order.run(run_a, run_b)
+    assert not got["b"].requires_grad and got["b modes"] is False
+    assert got["a"].requires_grad and a.training
+    params = list(a.parameters())
+    assert_grads_equal(grads(got["a"].sum(), x, *params), grads(euler(a.model, x, mu, 3).sum(), x, *params))
+    assert torch.no_grad.__enter__.__module__ == "torch.autograd.grad_mode"  # patches gone after the call

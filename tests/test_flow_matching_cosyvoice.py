@@ -18,9 +18,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from gradpatch.activation import known_patches  # noqa: E402
-from gradpatch.any_sampler import sampler  # noqa: E402
-from gradpatch.hooks import resolve  # noqa: E402
+from gradpatch.patching.activation import known_patches  # noqa: E402
+from gradpatch.sampling.any_sampler import sampler  # noqa: E402
+from gradpatch.patching.hooks import resolve  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 N, FRAMES = 3, 6

@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 np = pytest.importorskip("numpy")
 
 from gradpatch.errors import NotDifferentiableError  # noqa: E402
-from gradpatch.lift import Liftable, LiftError, function_fingerprint, lift_no_grad  # noqa: E402
+from gradpatch.sampling.lift import Liftable, LiftError, function_fingerprint, lift_no_grad  # noqa: E402
 
 SOURCE = '''
 import torch
@@ -86,7 +86,7 @@ def test_no_grad_in_nested_definitions_stays(module):
 
 
 def test_generate_sample_validates_cache_like_every_sampler():
-    from gradpatch.fixes.ldm_guards import refuse_cache_false
+    from gradpatch.sampling.ldm_guards import refuse_cache_false
 
     method = refuse_cache_false(lambda self, *args, **kwargs: "upstream")
     for value in (True, np.True_):
@@ -102,7 +102,7 @@ def test_generate_sample_validates_cache_like_every_sampler():
 
 
 def test_patched_checkpoint_objects_pickle_by_reference_at_every_protocol(monkeypatch):
-    from gradpatch.fixes.checkpoint import replace_checkpoint, replace_checkpoint_function
+    from gradpatch.checkpointing.checkpoint import replace_checkpoint, replace_checkpoint_function
 
     upstream = types.ModuleType("fake_ldm_util")
 
