@@ -59,8 +59,8 @@ def _assert_close(got: list[Any], want: list[Any]) -> None:
             torch.testing.assert_close(g, w, rtol=1e-4, atol=floor)
 
 
-@pytest.mark.parametrize("options", [{}, {"grad_steps": 1}, {"grad_steps": 2}, {"checkpoint_steps": True}],
-                         ids=["plain", "grad_steps=1", "grad_steps=2", "checkpoint_steps"])
+@pytest.mark.parametrize("options", [{}, {"grad_steps": 1}, {"grad_steps": 2}, {"grad_steps": 3}, {"checkpoint_steps": True}],
+                         ids=["plain", "grad_steps=1", "grad_steps=2", "grad_steps=3", "checkpoint_steps"])
 @pytest.mark.parametrize("loop", ["p_sample_loop", "ddim_sample_loop"])
 def test_loop_gradients_equal_the_hand_written_loop(loop: str, options: dict) -> None:
     model, diffusion, noise = _setup()
