@@ -26,4 +26,5 @@ MODULES = (
     "cosyvoice",
     "voxcpm",
     "denoising_diffusion_pytorch",
+    "diffrhythm",
 )
