@@ -27,4 +27,5 @@ MODULES = (
     "voxcpm",
     "denoising_diffusion_pytorch",
     "diffrhythm",
+    "diffsinger",
 )
