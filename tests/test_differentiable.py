@@ -238,6 +238,7 @@ def test_string_target_patched_in_place_reported_and_reverted():
     finally:
         gradpatch.revert()
     assert vars(fs.Buffers)["forward"] is original
+    assert "differentiable:foreign_samplers:Buffers.forward" not in gradpatch.known_patches()  # apply() won't redo it
 
 
 def test_string_target_patched_when_imported(tmp_path):
