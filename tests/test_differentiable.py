@@ -238,6 +238,7 @@ def test_string_target_patched_in_place_reported_and_reverted():
     finally:
         gradpatch.revert()
     assert vars(fs.Buffers)["forward"] is original
+    assert "differentiable:foreign_samplers:Buffers.forward" not in gradpatch.known_patches()  # apply() won't redo it
 
 
 def test_string_target_patched_when_imported(tmp_path):
@@ -283,3 +284,38 @@ def test_a_concurrent_upstream_call_in_another_thread_is_unaffected():
     params = list(a.parameters())
     assert_grads_equal(grads(got["a"].sum(), x, *params), grads(euler(a.model, x, mu, 3).sum(), x, *params))
     assert torch.no_grad.__enter__.__module__ == "torch.autograd.grad_mode"  # patches gone after the call
+
+
+def test_a_catalogue_declaration_and_an_unknown_version_opted_in():
+    """A ``patches/`` entry declares a sampler made differentiable with ``sampler(step=, steps=)``:
+    its fingerprint known, it is applied like any patch; a version it does not know is left alone with
+    an UnknownCodeWarning, and the string form opts it in."""
+    from gradpatch.patching import activation
+    from gradpatch.patching.fingerprint import Fingerprints
+    from gradpatch.patching.registry import Patch
+    from gradpatch.sampling.any_sampler import sampler
+
+    original = vars(fs.Buffers)["forward"]
+    digest = Fingerprints({}).identify(fs, "Buffers.forward", original).label
+    fix = sampler(step="estimator", steps="n_timesteps")
+    known = Patch("foreign.cfm", "foreign_samplers:Buffers.forward", fix, Fingerprints({digest: "foreign 1.0"}),
+                  "foreign", "Buffers.forward(cache=False)")
+    other = known._replace(name="foreign_next.cfm", upstream="foreign_next", recognise=Fingerprints({"0" * 16: "2.0"}))
+    model = make(fs.Buffers)
+    noise, mu = inputs()
+    try:
+        activation.known_patches().update({known.name: known, other.name: other})
+        (record,) = gradpatch.apply("foreign")
+        assert (record.status, record.variant) == (gradpatch.Status.APPLIED, "foreign 1.0")
+        assert model(mu, noise, cache=False, grad_steps=1).requires_grad and not model(mu, noise).requires_grad
+        gradpatch.revert("foreign")
+        with pytest.warns(gradpatch.UnknownCodeWarning):
+            (record,) = gradpatch.apply("foreign_next")
+        assert record.status == gradpatch.Status.SKIPPED and vars(fs.Buffers)["forward"] is original
+        opted = gradpatch.differentiable("foreign_samplers:Buffers.forward", step="estimator", steps="n_timesteps")
+        assert opted.status == gradpatch.Status.APPLIED and model(mu, noise, cache=False).requires_grad
+    finally:
+        gradpatch.revert()
+        for name in (known.name, other.name):
+            activation.known_patches().pop(name, None)
+    assert vars(fs.Buffers)["forward"] is original

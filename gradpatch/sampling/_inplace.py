@@ -19,7 +19,9 @@ C++ extensions writing into a tensor they were given) is not seen; backward then
 version differs) rather than use the new values. Tensors saved inside a checkpointed region are not
 packed here (the checkpoint recomputes them); the region's inputs are (:meth:`CopyOnWrite.hold`).
 Every torch call of the sampler and its networks passes through the mode during the call (a Python
-call each): small next to a network's kernels, noticeable for tiny ones.
+call each): ``benchmarks/differentiable_overhead.py`` (CPU, one thread, 16 Euler steps of a 3-layer MLP,
+batch 8) measured forward + backward at 2.1x the hand-written reference for width 64 and 1.09x for
+width 1024.
 """
 from __future__ import annotations
 

@@ -24,35 +24,11 @@ import torch
 from gradpatch.errors import NotDifferentiableError
 from gradpatch.sampling import _gradoff
 from gradpatch.sampling._inplace import CopyOnWrite
+from gradpatch.sampling._values import clean as _clean, codes as _codes, describe as _describe, tensors as _tensors
 from gradpatch.sampling.runner import (SamplingRun, _shadow, _with_keywords, run_step, sampling_options,
                                       stepped_odeint)
 
 _UNSET: Any = object()
-
-
-def _codes(fn: object) -> frozenset[types.CodeType]:
-    """The code objects of ``fn`` and of every function it wraps (``__wrapped__`` or closure cells)."""
-    found, todo, seen = set(), [fn], set()
-    while todo:
-        obj = todo.pop()
-        obj = getattr(obj, "__func__", obj)
-        if id(obj) in seen or not callable(obj):
-            continue
-        seen.add(id(obj))
-        code = getattr(obj, "__code__", None)
-        if isinstance(code, types.CodeType):
-            found.add(code)
-        todo += [getattr(obj, "__wrapped__", None)] + [c.cell_contents for c in getattr(obj, "__closure__", None) or ()
-                                                        if _filled(c) and isinstance(c.cell_contents, types.FunctionType)]
-    return frozenset(found)
-
-
-def _filled(cell: Any) -> bool:
-    try:
-        cell.cell_contents
-    except ValueError:
-        return False
-    return True
 
 
 def _start(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:  # the boundary of a call
@@ -65,40 +41,6 @@ def _resume(gen: Any, how: str, value: Any) -> Any:  # the boundary of a generat
 
 _gradoff.BOUNDARY.update({_start.__code__, _resume.__code__, *(  # and a checkpoint's recompute
     c for c in run_step.__code__.co_consts if isinstance(c, types.CodeType) and c.co_name == "replay")})
-
-
-def _clean(out: Any) -> Any:
-    """``out`` with inference tensors (also inside tuples, lists, dicts) cloned into normal tensors."""
-    if isinstance(out, torch.Tensor):
-        return out.clone() if out.is_inference() else out
-    if isinstance(out, (tuple, list)) and any(isinstance(o, (torch.Tensor, tuple, list, dict)) for o in out):
-        cleaned = [_clean(o) for o in out]
-        return type(out)(*cleaned) if hasattr(out, "_fields") else type(out)(cleaned)
-    if isinstance(out, dict):
-        return type(out)({k: _clean(v) for k, v in out.items()}) if type(out) is dict else out
-    return out
-
-
-def _tensors(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, torch.nn.Module):
-        yield from obj.parameters()
-    elif depth < 3 and isinstance(obj, (tuple, list)):
-        for item in obj:
-            yield from _tensors(item, depth + 1)
-    elif depth < 3 and isinstance(obj, dict):
-        for item in obj.values():
-            yield from _tensors(item, depth + 1)
-
-
-def _describe(out: Any) -> str:
-    if out is None:
-        return "None (does it write its result to a file?)"
-    kinds = {type(o).__module__.partition(".")[0] + "." + type(o).__name__ for o in (out if isinstance(out, (tuple, list)) else [out])}
-    if any(k.startswith("numpy.") for k in kinds):
-        return f"{', '.join(sorted(kinds))}: the result left torch (.cpu().numpy())"
-    return f"{', '.join(sorted(kinds))} with no tensor that carries a graph (detached, or converted)"
 
 
 class Sampler:
