@@ -28,4 +28,5 @@ MODULES = (
     "denoising_diffusion_pytorch",
     "diffrhythm",
     "diffsinger",
+    "tango",
 )
