@@ -115,6 +115,15 @@ def flow_matching_family(upstream: str, module: str, over: tuple[str, ...], *,
     return FLOW_MATCHING.patches(upstream, module, FLOW_MATCHING.known(over), over=over, requires=requires)
 
 
+def torch_checkpoint_module_default(name: str, upstream: str, target: str, provenance: str) -> Patch:
+    """``target`` (``module:alias``) is ``torch.utils.checkpoint`` bound as a module alias, whose
+    ``alias.checkpoint(...)`` calls pass no ``use_reentrant``: those calls become non-reentrant."""
+    return Patch(name, target, f"{_FIX}:replace_torch_checkpoint_module",
+                 IsObject("torch.utils.checkpoint", provenance), upstream,
+                 "torch checkpoint (module alias) made non-reentrant: gradients reach parameters when no input "
+                 "requires grad")
+
+
 def torch_checkpoint_default(name: str, upstream: str, module: str, provenance: str) -> Patch:
     """``module`` bound ``torch.utils.checkpoint.checkpoint`` and calls it without ``use_reentrant``:
     its calls become non-reentrant (torch's default elsewhere in the program is unchanged)."""

@@ -14,11 +14,17 @@ Entry points above the decoder (``CausalMaskedDiffWithXvec.inference``, ``S3Toke
 ``ChatterboxTTS.generate``) are not declared: ``generate`` ends in numpy and a watermark. Call the
 decoder, or ``gradpatch.differentiable(s3gen.flow_inference, step=s3gen.flow.decoder.estimator,
 steps=...)``. Tested against chatterbox-tts 0.1.7 (installed ``--no-deps``: it pins torch 2.6).
+
+``chatterbox.models.s3gen.xvector`` (CAMPPlus speaker encoder, ``memory_efficient=True`` by default)
+binds ``torch.utils.checkpoint as cp`` and calls ``cp.checkpoint(self.bn_function, x)`` in training
+without ``use_reentrant``: its ``cp`` becomes a stand-in whose ``checkpoint`` is non-reentrant.
 """
-from ._families import flow_matching_family
+from ._families import flow_matching_family, torch_checkpoint_module_default
 
 PATCHES = flow_matching_family("chatterbox", "chatterbox.models.s3gen.flow_matching",
                                ("CausalConditionalCFM.forward", "ConditionalCFM.solve_euler"),
                                requires="chatterbox-tts") + \
     flow_matching_family("chatterbox", "chatterbox.models.s3gen.matcha.flow_matching",
-                         ("BASECFM.forward", "BASECFM.solve_euler"), requires="chatterbox-tts")
+                         ("BASECFM.forward", "BASECFM.solve_euler"), requires="chatterbox-tts") + [
+    torch_checkpoint_module_default("chatterbox.xvector.cp", "chatterbox", "chatterbox.models.s3gen.xvector:cp",
+                                    "torch reentrant default · chatterbox-tts 0.1.7")]

@@ -12,10 +12,20 @@ Not declared: ``ConditionalCFM.forward`` (CosyVoice 1's decoder) takes an argume
 prompt cache, passed by ``MaskedDiffWithXvec.inference``), and so does the 2025-01 to 2025-04
 ``CausalConditionalCFM.forward``: the patched sampler's ``cache`` keyword would capture it and break
 upstream's own call. Those versions are unknown code (left alone, with a warning).
-``flow.py``'s ``*.inference`` wrappers are not declared either; the
-transformer encoder's ``ckpt.checkpoint`` calls keep torch's reentrant default (training only).
+``flow.py``'s ``*.inference`` wrappers are not declared either.
+
+The transformer encoder and decoder (``cosyvoice.transformer.encoder``/``decoder``) bind
+``torch.utils.checkpoint as ckpt`` and, under ``gradient_checkpointing`` in training, call
+``ckpt.checkpoint(layer.__call__, ...)`` without ``use_reentrant``: torch's reentrant default gives
+the layers no parameter gradient when no input requires grad (a frozen front end, LoRA). Their ``ckpt``
+becomes a stand-in whose ``checkpoint`` is non-reentrant (tested on Chatterbox's ``cp`` alias, the same
+pattern, in ``tests/test_flow_matching_family.py``).
 """
-from ._families import flow_matching_family
+from ._families import flow_matching_family, torch_checkpoint_module_default
 
 PATCHES = flow_matching_family("cosyvoice", "cosyvoice.flow.flow_matching",
-                               ("CausalConditionalCFM.forward", "ConditionalCFM.solve_euler"))
+                               ("CausalConditionalCFM.forward", "ConditionalCFM.solve_euler")) + [
+    torch_checkpoint_module_default(f"cosyvoice.{part}.ckpt", "cosyvoice", f"cosyvoice.transformer.{part}:ckpt",
+                                    "torch reentrant default · FunAudioLLM/CosyVoice@ace7c47")
+    for part in ("encoder", "decoder")
+]

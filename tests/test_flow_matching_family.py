@@ -280,3 +280,33 @@ def test_checkpoint_steps_with_only_the_estimator_trainable(name: str) -> None:
         got = _grads(case.call(model, kw, cache=False, checkpoint_steps=True), model, kw, ())
     torch.manual_seed(0)
     _assert_close(got, _grads(case.reference(model, 0, **kw), model, kw, ()))
+
+
+def test_chatterbox_speaker_encoder_checkpoint_alias_becomes_non_reentrant() -> None:
+    """CAMPPlus's dense layer calls ``cp.checkpoint(self.bn_function, x)`` (``cp`` = torch.utils.checkpoint,
+    reentrant by default) in training: with an input that needs no grad, upstream gives ``bn_function``'s
+    parameters no gradient; patched, they get the gradients of the same layer without checkpointing."""
+    pytest.importorskip("chatterbox")
+    from chatterbox.models.s3gen import xvector
+
+    torch.manual_seed(0)
+    layer = xvector.CAMDenseTDNNLayer(8, 8, bn_channels=8, kernel_size=3, memory_efficient=True).train()
+    x = torch.randn(2, 8, 10)
+
+    def grads() -> list[Any]:
+        torch.manual_seed(1)
+        out = layer(x)
+        return list(torch.autograd.grad(out.square().sum(), list(layer.parameters()), allow_unused=True))
+
+    with pytest.warns(UserWarning):  # torch: "None of the inputs have requires_grad=True"
+        upstream = grads()
+    assert all(g is None for g in upstream[:2])  # bn_function's batch norm: nothing reaches it
+    layer.memory_efficient = False
+    want = grads()
+    layer.memory_efficient = True
+    with gradpatch.applied("chatterbox") as report:
+        assert isinstance(xvector.cp, type(xvector)) and xvector.cp is not torch.utils.checkpoint, report
+        got = grads()
+    assert xvector.cp is torch.utils.checkpoint
+    _assert_close(got, want)
+    assert all(g is not None for g in got[:2])
