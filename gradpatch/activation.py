@@ -1,11 +1,20 @@
 """apply, revert, applied: choosing patches and putting them in place, at import time.
 
-All state lives here, under one re-entrant lock: the known patches, which are wanted, what is
-installed (in order, so revert is LIFO) and a :class:`~gradpatch.registry.Record` per patch. Hooks run
-in the importing thread after each execution of a target's body (first import, re-import, reload) and
-take this lock; a failing fix is recorded and reported, never propagated into the user's ``import``
-(unless strict). A fork resets the lock in the child, so a lock held by another thread of the parent
+All state lives here, under one re-entrant lock: the known patches (declared, and the copies the scan
+adopted), which are wanted, what is installed (in order, so revert is LIFO) and a
+:class:`~gradpatch.registry.Record` per patch. While any patch is wanted, :mod:`gradpatch.watcher`
+calls one listener, :func:`_body_ran`, after every execution of a module body (first import,
+re-import, reload, a lazy module's first use; any finder, any loader), in the executing thread, before
+the importer binds names from the module: it applies the wanted patches whose target is that module,
+or, for any other module holding a family member's name, asks :mod:`gradpatch.scan` for copies and
+adopts them. A failing fix is recorded and reported, never propagated into the user's ``import``
+(unless strict). When revert() leaves nothing wanted, the watcher stops and the import system is
+exactly as it was. A fork resets the lock in the child, so a lock held by another thread of the parent
 cannot deadlock it.
+
+Layers, lowest first, each importing only those below it: :mod:`~gradpatch.watcher` (imports nothing
+of gradpatch), :mod:`~gradpatch.hooks` (install, rebind), :mod:`~gradpatch.scan` (recognise copies),
+this module.
 """
 from __future__ import annotations
 
@@ -16,9 +25,10 @@ import threading
 from types import ModuleType
 from typing import Iterable, Iterator
 
-from gradpatch import environment, selection, settings
+from gradpatch import environment, selection, settings, watcher
+from gradpatch import scan as scanning
 from gradpatch.errors import ConfigWarning, PatchFailedWarning, UnknownCodeWarning, complain, logger
-from gradpatch.hooks import MISSING, Installed, forget, install, locate, resolve, uninstall, watch, when_initialised
+from gradpatch.hooks import MISSING, Installed, forget, install, locate, resolve, uninstall
 from gradpatch.registry import Patch, Record, Report, Status
 from gradpatch.versions import _contains, _installed_version, split_requirement  # noqa: F401 (used by cli, tests)
 
@@ -28,6 +38,9 @@ _wanted: set[str] = set()
 _installed: dict[str, Installed] = {}  # insertion order is install order
 _superseded: dict[str, list[Installed]] = {}  # fixes of earlier executions of a reloaded module
 _records: dict[str, Record] = {}
+_adopted: dict[str, frozenset[str]] = {}  # copies the scan found: patch name -> their family's fixes
+_targets: dict[str, list[Patch]] = {}  # module name -> known patches on it (see _index)
+_indexed = -1  # len(_patches) when _targets was built
 
 
 def _reset_lock_in_child() -> None:
@@ -48,6 +61,21 @@ def known_patches() -> dict[str, Patch]:
 
             _patches = catalogue.load()
         return _patches
+
+
+def _index() -> dict[str, list[Patch]]:
+    """Known patches by target module, rebuilt when patches were added (the scan, a test)."""
+    global _targets, _indexed
+    patches = _patches
+    if patches is None:
+        return {}
+    if len(patches) != _indexed:
+        with _lock:
+            targets: dict[str, list[Patch]] = {}
+            for patch in list(patches.values()):
+                targets.setdefault(patch.module, []).append(patch)
+            _targets, _indexed = targets, len(patches)
+    return _targets
 
 
 def select(names: Iterable[object] = (), exclude: object = (), *, source: str = "apply()",
@@ -80,7 +108,7 @@ def _apply_now(patch: Patch, module: ModuleType, *, late: bool) -> None:
         _superseded.setdefault(patch.name, []).append(_installed.pop(patch.name))
         logger.info("%s ran again: re-applying %s", patch.module, patch.name)
     version = None
-    unknown = None
+    unknown = unreadable = None
     try:
         version, problem = _installed_version(patch.requires)
         if problem:
@@ -101,6 +129,9 @@ def _apply_now(patch: Patch, module: ModuleType, *, late: bool) -> None:
             _record(patch, Status.SKIPPED, f"unknown code (fingerprint {identity.label})",
                     variant=identity.label, version=version)
             unknown = identity.label
+        elif identity.verdict == "unreadable":
+            _record(patch, Status.SKIPPED, f"cannot be recognised: {identity.label}", version=version)
+            unreadable = identity.label
         else:
             factory = resolve(patch.fix)
             in_use = [other.replacement for other in _installed.values()]
@@ -110,14 +141,18 @@ def _apply_now(patch: Patch, module: ModuleType, *, late: bool) -> None:
         complain(PatchFailedWarning, f"gradpatch: patch {patch.name!r} failed on {patch.target} and "
                  f"was not applied: {type(exc).__name__}: {exc}")
         return
-    if unknown is not None:  # outside the try: in strict mode this raises, recorded as skipped
+    if unknown is not None or unreadable is not None:  # outside the try: strict mode raises this
         # One warning per module, not one per patch on it (e.g. checkpoint and CheckpointFunction).
-        names = [p.name for p in known_patches().values() if p.module == patch.module and p.name in _wanted]
-        if not any(n != patch.name and n in _records and _records[n].reason.startswith("unknown code")
-                   for n in names):
-            complain(UnknownCodeWarning, f"gradpatch: {patch.module} does not match any known version "
-                     f"(fingerprint {unknown}), so gradpatch left it alone ({', '.join(names)}). "
-                     "If it is a copy of the known-broken code, add this fingerprint to the catalogue.")
+        names = [p.name for p in _index().get(patch.module, ()) if p.name in _wanted]
+        said = "unknown code" if unknown is not None else "cannot be recognised"
+        if not any(n != patch.name and n in _records and _records[n].reason.startswith(said) for n in names):
+            if unknown is not None:
+                complain(UnknownCodeWarning, f"gradpatch: {patch.module} does not match any known version "
+                         f"(fingerprint {unknown}), so gradpatch left it alone ({', '.join(names)}). "
+                         "If it is a copy of the known-broken code, add this fingerprint to the catalogue.")
+            else:
+                complain(UnknownCodeWarning, f"gradpatch: cannot recognise {patch.module}, so gradpatch left "
+                         f"it alone ({', '.join(names)}): {unreadable}.")
         return
     _installed[patch.name] = installed
     _record(patch, Status.APPLIED, patch.summary, variant=identity.label, version=version,
@@ -125,56 +160,98 @@ def _apply_now(patch: Patch, module: ModuleType, *, late: bool) -> None:
     logger.info("applied %s to %s (%s)", patch.name, patch.target, identity.label)
 
 
-def _on_import(module: ModuleType, *, late: bool = False) -> None:
-    """Apply every wanted patch that targets ``module``, whose body has just run."""
-    with _lock:
-        for patch in known_patches().values():
-            if patch.module == module.__name__:
-                _apply_now(patch, module, late=late)
-
-
-def _guarded_on_import(module: ModuleType, *, late: bool = False) -> None:
-    # Whatever happens in here must not break the user's import (strict mode excepted).
+def _body_ran(module: ModuleType, late: bool) -> None:
+    """The watcher's listener: ``module``'s body has run. Cheap for the modules gradpatch has no
+    business with (a dict lookup and a key test, no lock); never breaks the import (unless strict)."""
+    namespace = watcher.namespace(module)
+    name = namespace.get("__name__") if namespace is not None else None
+    if not isinstance(name, str) or (name not in _index() and not scanning.candidate(namespace)):  # type: ignore[arg-type]
+        return
     try:
-        _on_import(module, late=True) if late else _on_import(module)  # benchmarks time _on_import(module)
+        _on_import(module, late=late)
     except Exception as exc:
         if settings.strict:
             raise
-        complain(PatchFailedWarning, f"gradpatch: error while patching {module.__name__}: {exc!r}")
+        complain(PatchFailedWarning, f"gradpatch: error while patching {name}: {exc!r}")
 
 
-def _on_import_finished(module: ModuleType) -> None:
-    # Called when an import that was already running at apply() finishes: another thread may have
-    # bound names from the module meanwhile, so rebind as for a late apply.
-    _guarded_on_import(module, late=True)
+def _on_import(module: ModuleType, *, late: bool = False) -> list[Record]:
+    """Apply every wanted patch that targets ``module``, whose body has just run; for a module no
+    patch targets, adopt the copies of selected families the scan finds in it."""
+    with _lock:
+        name = module.__name__
+        targets = _index().get(name)
+        if targets:
+            for patch in targets:
+                _apply_now(patch, module, late=late)
+            return []
+        namespace = watcher.namespace(module)
+        if namespace is None or not scanning.candidate(namespace) or name.partition(".")[0] == "gradpatch":
+            return []
+        selected = [family for family in scanning.families() if _family_wanted(family.fixes())]
+        records: list[Record] = []
+        for family, patches in scanning.copies(module, namespace, selected) if selected else ():
+            records += _adopt(patches, module, late=late, fixes=family.fixes())
+        return records
 
 
-def _initialised(name: str) -> ModuleType | None:
-    module = sys.modules.get(name)
-    if module is None or getattr(getattr(module, "__spec__", None), "_initializing", False):
-        return None
-    return module
+def _family_wanted(fixes: frozenset[str]) -> bool:
+    """Whether a wanted declared patch uses one of a family's ``fixes``: its copies are wanted then."""
+    return any(known_patches()[name].fix in fixes for name in _wanted if name not in _adopted)
+
+
+def _adopt(patches: Iterable[Patch], module: ModuleType, *, late: bool, fixes: frozenset[str]) -> list[Record]:
+    """Apply ``patches`` that :mod:`gradpatch.scan` built for a family copy found in ``module``. They
+    join this process's catalogue, so report(), revert(), a reload and every later selection of the
+    family treat them as declared patches. Lock held."""
+    for patch in patches:
+        if patch.name not in known_patches():
+            known_patches()[patch.name] = patch
+            _adopted[patch.name] = fixes
+            _wanted.add(patch.name)
+            _apply_now(patch, module, late=late)
+    return [_records[p.name] for p in patches if p.name in _records]
+
+
+def _sweep() -> list[Record]:
+    """Adopt the copies in modules imported before the scan was on (or by a loader the watcher
+    cannot see); a module still being imported is examined when its body finishes. Lock held."""
+    records: list[Record] = []
+    index = _index()
+    for module in list(sys.modules.values()):
+        namespace = watcher.namespace(module)
+        if namespace is None or not scanning.candidate(namespace) or watcher.unloaded(module):
+            continue  # nothing to find, or a lazy module not loaded yet: examined when it loads
+        name = namespace.get("__name__")
+        if not isinstance(name, str) or name in index:
+            continue
+        if watcher.running(module):
+            watcher.defer(module)
+            continue
+        try:
+            records += _on_import(module, late=True)  # type: ignore[arg-type]
+        except Exception as exc:
+            if settings.strict:
+                raise
+            complain(PatchFailedWarning, f"gradpatch: error while scanning {name}: {exc!r}")
+    return records
 
 
 def _start(patch: Patch) -> None:
     """Make ``patch`` wanted: apply it now, or when its module's body has run. Lock held."""
     _wanted.add(patch.name)
-    watch(patch.module, _guarded_on_import)  # every later execution of the body: import, reload
     module = sys.modules.get(patch.module)
-    if module is not None and _initialised(patch.module) is None:
+    if module is None:
+        _record(patch, Status.DEFERRED, f"waiting for {patch.module} to be imported")
+    elif watcher.unloaded(module):
+        _record(patch, Status.DEFERRED, f"waiting for {patch.module}, imported lazily, to load on first use")
+    elif watcher.running(module):
         # Its body is running right now (in another thread, or further up this thread's stack).
         _record(patch, Status.DEFERRED, f"waiting for the import of {patch.module} in progress to finish")
-        if when_initialised(module, _on_import_finished):  # may call back at once: recorded first
-            return
-        module = _initialised(patch.module)
-        if module is None:
-            _record(patch, Status.DEFERRED, f"waiting for {patch.module} to be imported")
+        if not watcher.defer(module):
             complain(PatchFailedWarning, f"gradpatch: {patch.module} is being imported and its import "
                      f"cannot be watched, so {patch.name!r} is applied only if it is imported again; call "
                      "gradpatch.apply() again once that import has finished")
-            return
-    if module is None:
-        _record(patch, Status.DEFERRED, f"waiting for {patch.module} to be imported")
     else:
         _apply_now(patch, module, late=True)
 
@@ -221,32 +298,39 @@ def _apply(names: tuple, exclude: object, env: environment.Environment, scan: bo
     if exclude is None:
         exclude, exclude_source = env.exclude, "GRADPATCH_EXCLUDE"
     selected, excluded = select(names, exclude, source=source, exclude_source=exclude_source)  # type: ignore[arg-type]
+    scan_on = env.scan if scan is None else bool(scan)
     with _lock:
         for patch in excluded:
             if patch.name not in _wanted:
                 _record(patch, Status.SKIPPED, "excluded")
+        scanning.enabled = scan_on
+        if scan_on:
+            scanning.families()
+        if selected:
+            watcher.start(_body_ran)
         for patch in selected:
-            if patch.name not in _wanted:
+            if patch.name not in _wanted or _unseen(patch):
                 _start(patch)
-        from gradpatch import scan as scanning
+        # Copies the scan adopted earlier are part of every selection of their family.
+        again = [known_patches()[name] for name, fixes in _adopted.items()
+                 if scan_on and name not in _wanted and _family_wanted(fixes)]
+        for patch in again:
+            _start(patch)
+        found = _sweep() if scan_on and selected else []
+        return Report([_records[p.name] for p in selected + excluded + again if p.name in _records] + found)
 
-        found = scanning.start(env.scan if scan is None else bool(scan))
-        return Report([_records[p.name] for p in selected + excluded if p.name in _records] + found)
 
-
-def adopt(patches: Iterable[Patch], module: ModuleType, *, late: bool, fixes: frozenset[str]) -> list[Record]:
-    """Apply ``patches`` that :mod:`gradpatch.scan` built for a family copy found in ``module``, an
-    undeclared path, while a wanted patch uses one of the family's ``fixes``. They join this
-    process's catalogue, so report(), revert() and apply() treat them as declared patches."""
-    with _lock:
-        if not any(known_patches()[name].fix in fixes for name in _wanted):
-            return []
-        for patch in patches:
-            if patch.name not in known_patches():
-                known_patches()[patch.name] = patch
-                _wanted.add(patch.name)
-                _apply_now(patch, module, late=late)
-        return [_records[p.name] for p in patches if p.name in _records]
+def _unseen(patch: Patch) -> str | None:
+    """Why a wanted patch still waits for a module that is imported (by a loader gradpatch could not
+    watch, see :mod:`gradpatch.watcher`), or None. Lock held."""
+    record = _records.get(patch.name)
+    module = sys.modules.get(patch.module)
+    if record is None or record.status != Status.DEFERRED or patch.name not in _wanted or module is None \
+            or watcher.unloaded(module) or watcher.running(module):
+        return None
+    loader = getattr(watcher.namespace(module) or {}, "get", lambda _: None)("__loader__")
+    return (f"{patch.module} was imported (by {type(loader).__name__}) without gradpatch seeing its body run; "
+            "call gradpatch.apply() again to patch it now")
 
 
 def revert(*names: str | Iterable[str]) -> Report:
@@ -258,6 +342,12 @@ def revert(*names: str | Iterable[str]) -> Report:
     with _lock:
         chosen = select(names, source="revert()")[0] if names else [known_patches()[n] for n in _wanted]
         chosen_names = {p.name for p in chosen}
+        # A copy the scan adopted goes with the last wanted declared patch of its family.
+        left = _wanted - chosen_names
+        for name, fixes in _adopted.items():
+            if name in left and not any(known_patches()[n].fix in fixes for n in left if n not in _adopted):
+                chosen.append(known_patches()[name])
+                chosen_names.add(name)
         for name in reversed(list(_installed)):
             if name in chosen_names:
                 uninstall(_installed.pop(name))
@@ -268,6 +358,8 @@ def revert(*names: str | Iterable[str]) -> Report:
             if patch.name in _wanted:
                 _wanted.discard(patch.name)
                 _record(patch, Status.REVERTED, "reverted")
+        if not _wanted:
+            watcher.stop()  # the import system exactly as it was
         return Report(_records[p.name] for p in chosen if p.name in _records)
 
 
@@ -300,6 +392,13 @@ def applied(*names: str | Iterable[str], exclude: str | Iterable[str] | None = N
 
 def report() -> Report:
     """What happened to every patch this process has selected: applied, deferred, skipped (with the
-    reason), failed (with the error) or reverted."""
+    reason), failed (with the error) or reverted. A patch deferred although its module has been
+    imported (by a loader gradpatch cannot watch) says so, and is warned about once."""
     with _lock:
+        for name in [name for name in _wanted if _records.get(name, None) is not None]:
+            why = _unseen(known_patches()[name])
+            if why is not None and _records[name].reason != why:
+                _record(known_patches()[name], Status.DEFERRED, why)
+                if not settings.strict:  # a report is for reading: it never raises
+                    complain(PatchFailedWarning, f"gradpatch: {name!r} is not applied: {why}", once=True)
         return Report(_records.values())
