@@ -1,25 +1,25 @@
 """Declaring the latent-diffusion family's sampling fixes (no logic, no torch).
 
 A target is ``(target, role, known)`` or ``(target, role, known, fixed)``: ``"module:Class.method"``,
-one of the roles below (the fix factories of :mod:`gradpatch.fixes.ldm_sampling` and
-:mod:`gradpatch.fixes.ldm_guards`, documented there; a fix factory of your own is named by its dotted
+one of the roles below (the fix factories of :mod:`gradpatch.sampling.ldm` and
+:mod:`gradpatch.sampling.ldm_guards`, documented there; a fix factory of your own is named by its dotted
 ``"module:factory"`` path, e.g. one built with ``ldm_sampling.step_factory``),
 the fingerprints of that method, each with its provenance, and optionally fingerprints of versions
-already fixed upstream (left alone, reported as such). Each target becomes one :class:`~gradpatch.registry.Patch` named
+already fixed upstream (left alone, reported as such). Each target becomes one :class:`~gradpatch.patching.registry.Patch` named
 ``"<upstream>.<Class>.<method>"`` and recognised by its own fingerprint, so an edited method is left
 alone (with a warning) while its siblings are patched. ``LIFTED`` targets are recognised with
-:class:`gradpatch.lift.Liftable` (the fingerprint of the source the loaded code object points at).
+:class:`gradpatch.sampling.lift.Liftable` (the fingerprint of the source the loaded code object points at).
 """
 from __future__ import annotations
 
 from typing import Iterable, Mapping
 
-from gradpatch.fingerprint import Fingerprints
-from gradpatch.lift import Liftable
-from gradpatch.registry import Patch
+from gradpatch.patching.fingerprint import Fingerprints
+from gradpatch.sampling.lift import Liftable
+from gradpatch.patching.registry import Patch
 
-_FIX = "gradpatch.fixes.ldm_sampling"
-_GUARDS = "gradpatch.fixes.ldm_guards"
+_FIX = "gradpatch.sampling.ldm"
+_GUARDS = "gradpatch.sampling.ldm_guards"
 
 ENTRY = "entry"
 LIFTED = "lifted_entry"

@@ -5,7 +5,7 @@ Checkpoint. ``audioldm.latent_diffusion.util`` defines the OpenAI/CompVis checkp
 whatever ``use_checkpoint`` says. Unpatched, freezing any parameter of a transformer block makes
 ``backward()`` raise "One of the differentiated Tensors does not require grad".
 
-Native sampling (``gradpatch.fixes.ldm_sampling``). ``DDIMSampler.sample``/``decode``/
+Native sampling (``gradpatch.sampling.ldm``). ``DDIMSampler.sample``/``decode``/
 ``stochastic_encode`` and ``LatentDiffusion.sample``/``p_sample_loop``/``progressive_denoising``/
 ``sample_log``/``decode_first_stage``/``encode_first_stage`` (and ``DDPM.sample``/``p_sample_loop``)
 take ``cache``/``grad_steps``/``checkpoint_steps``; the decorated loops and steps they reach run
@@ -15,7 +15,7 @@ undecorated inside ``cache=False`` calls; a step is one ``p_sample_ddim`` (DDIM)
 sampling works on CPU. Upstream's ``DDPM.sample`` reads ``channels`` before assigning it and raises
 ``UnboundLocalError`` in every mode; it is patched like its siblings and still raises.
 
-Fingerprints were computed (``python -m gradpatch.fingerprint``) from PyPI audioldm 0.1.1 and from every
+Fingerprints were computed (``python -m gradpatch.patching.fingerprint``) from PyPI audioldm 0.1.1 and from every
 commit of haoheliu/AudioLDM (0d68895, 2023-01-30, to HEAD 4054cb4, 2025-06-25) and declare-lab/tango
 (which vendors the package three times: @ceb8bd5 audioldm/, @bc247dd mustango/audioldm/, @6ec558c
 tango2/audioldm/). Each label names the commit range over which a hash holds. PyPI audioldm 0.1.1 and

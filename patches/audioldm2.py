@@ -3,7 +3,7 @@
 Checkpoint. ``audioldm2.latent_diffusion.modules.diffusionmodules.util`` defines the V1 checkpoint;
 ``modules.attention`` and ``diffusionmodules.openaimodel`` rebind it and force it on, as in AudioLDM.
 
-Native sampling (``gradpatch.fixes.ldm_sampling``), in ``audioldm2.latent_diffusion.models``:
+Native sampling (``gradpatch.sampling.ldm``), in ``audioldm2.latent_diffusion.models``:
 ``DDIMSampler.sample``/``encode``/``decode``/``stochastic_encode``, ``PLMSSampler.sample`` and
 ``LatentDiffusion.sample``/``p_sample_loop``/``progressive_denoising``/``sample_log`` (and
 ``DDPM.sample``/``p_sample_loop``) take ``cache``/``grad_steps``/``checkpoint_steps``; the decorated
@@ -11,12 +11,12 @@ loops and steps they reach run undecorated inside ``cache=False`` calls. A step 
 ``p_sample_ddim`` call (which evaluates the model twice with guidance: unconditional, then
 conditional; both count for that step), one ``p_sample_plms`` call, or one ``p_sample`` call
 (ancestral). ``decode_first_stage``/``encode_first_stage`` hold an in-body ``with torch.no_grad():``;
-their ``cache=False`` runs a copy with it lifted (``gradpatch.lift``). ``generate_batch``/
+their ``cache=False`` runs a copy with it lifted (``gradpatch.sampling.lift``). ``generate_batch``/
 ``generate_sample`` refuse ``cache=False``; ``ema_scope`` is guarded. ``PLMSSampler.register_buffer``
 moves every buffer to CUDA and ``DDIMSampler`` defaults to ``device=cuda``: both samplers' buffers
 follow the model's device instead, so they work on CPU (a CUDA model gets upstream's buffers).
 
-Fingerprints were computed (``python -m gradpatch.fingerprint``) on PyPI audioldm2 0.1.0, which equals
+Fingerprints were computed (``python -m gradpatch.patching.fingerprint``) on PyPI audioldm2 0.1.0, which equals
 GitHub haoheliu/AudioLDM2@b5786c5 for every target. The hashes AudioSR and the AudioLDM training
 repository share are declared again in their modules (other module paths). Tested against PyPI
 audioldm2 0.1.0 (which needs ``HF_HUB_OFFLINE=1`` without network: it loads a tokenizer at import).

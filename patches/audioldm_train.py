@@ -5,7 +5,7 @@
 ``modules/diffusionmodules/nn.py`` is imported by nothing.) No installable package carries this code:
 the fix is tested on PyPI audioldm, whose checkpoint has the same fingerprint.
 
-Native sampling (``gradpatch.fixes.ldm_sampling``, ``gradpatch.fixes.ldm_dpm_solver``) in
+Native sampling (``gradpatch.sampling.ldm``, ``gradpatch.sampling.ldm_dpm_solver``) in
 ``audioldm_train.modules.latent_diffusion``: AudioLDM2's samplers, ``LatentDiffusion`` (in-body ``no_grad``
 in ``decode_first_stage``/``encode_first_stage``) and SD1's DPM-Solver, declared as for those codebases.
 Fingerprints from haoheliu/AudioLDM-training-finetuning@702a638 (the repository as of 2024-12-13). No
@@ -18,8 +18,8 @@ copies' shapes. ``DDIMSampler.sample``/``p_sample_ddim``/``stochastic_encode``, 
 ``p_sample`` methods, ``sample_log``, ``generate_sample`` and the DPM-Solver pair are hashes of their
 own (small edits of the AudioLDM2 and SD1 bodies: the same roles and arguments), not tested here.
 """
-from gradpatch.lift import Liftable
-from gradpatch.registry import Patch
+from gradpatch.sampling.lift import Liftable
+from gradpatch.patching.registry import Patch
 
 from ._families import checkpoint_family
 from ._ldm import DEVICE, EMA, ENTRY, INNER, LIFTED, REFUSE, STEP_BY_INDEX, STEP_BY_TIMESTEP, ldm_sampling
@@ -67,6 +67,6 @@ PATCHES += ldm_sampling("audioldm_train", [
 
 PATCHES.append(Patch(
     "audioldm_train.DPM_Solver.sample", f"{_M}.dpm_solver.dpm_solver:DPM_Solver.sample",
-    "gradpatch.fixes.ldm_dpm_solver:solver_sample",
+    "gradpatch.sampling.ldm_dpm_solver:solver_sample",
     Liftable({"80d4a48b32df4647": f"{_T} = CompVis/stable-diffusion@21f890f"}), "audioldm_train",
     "runs with its in-body no_grad lifted inside a cache=False call; one step per model-function call"))

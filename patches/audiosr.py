@@ -1,7 +1,7 @@
 """AudioSR (PyPI ``audiosr`` 0.0.7; its maintained fork PyPI ``kagayoi-audiosr`` 1.0.2, same package name).
 
 ``audiosr.latent_diffusion.models`` is a copy of AudioLDM2's: the same native-sampling fixes as
-:mod:`gradpatch.patches.audioldm2` (``gradpatch.fixes.ldm_sampling``), declared on AudioSR's module
+:mod:`gradpatch.patches.audioldm2` (``gradpatch.sampling.ldm``), declared on AudioSR's module
 paths. A step is one ``p_sample_ddim`` call (with guidance: the conditional, then the unconditional
 evaluation), one ``p_sample_plms`` call, or one ``p_sample`` call (ancestral). ``decode_first_stage``/
 ``encode_first_stage`` hold an in-body ``with torch.no_grad():`` (lifted for ``cache=False``);
@@ -9,7 +9,7 @@ evaluation), one ``p_sample_plms`` call, or one ``p_sample`` call (ancestral). `
 guarded; ``PLMSSampler.register_buffer`` (forced CUDA) and ``DDIMSampler`` (``device=cuda`` default)
 follow the model's device.
 
-Fingerprints were computed on both wheels (``python -m gradpatch.fingerprint``): they agree on every
+Fingerprints were computed on both wheels (``python -m gradpatch.patching.fingerprint``): they agree on every
 target except ``DDPM.sample`` and ``LatentDiffusion.generate_batch``. Where a hash equals AudioLDM2's the
 provenance says so. Tested against PyPI audiosr 0.0.7, installed ``--no-deps`` (it pins numpy<=1.23.5
 and transformers==4.30.2; its modules import on current versions).

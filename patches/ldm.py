@@ -7,7 +7,7 @@ The name ``ldm`` is shared, so only the fingerprint tells them apart. ``ldm.modu
 checkpoints, and ``AttentionBlock`` passes ``True`` everywhere. Tested against stable-diffusion-sdkit
 2.1.5 (V2); V1 is tested through audioldm, which has the same fingerprint.
 
-Native sampling (``gradpatch.fixes.ldm_sampling``), in ``ldm.models.diffusion``: ``DDIMSampler.sample``/
+Native sampling (``gradpatch.sampling.ldm``), in ``ldm.models.diffusion``: ``DDIMSampler.sample``/
 ``encode``/``decode``/``stochastic_encode``, ``PLMSSampler.sample``, ``DPMSolverSampler.sample`` and
 ``LatentDiffusion.sample``/``p_sample_loop``/``progressive_denoising``/``sample_log``/
 ``decode_first_stage``/``encode_first_stage`` (and ``DDPM.sample``/``p_sample_loop``) take
@@ -15,12 +15,12 @@ Native sampling (``gradpatch.fixes.ldm_sampling``), in ``ldm.models.diffusion``:
 inside ``cache=False`` calls. A step is one ``p_sample_ddim``, ``p_sample_plms`` or ``p_sample``
 (ancestral) call, or one call of DPM-Solver's model function: ``DPM_Solver.sample`` runs its solver
 inside an in-body ``with torch.no_grad():``, lifted for ``cache=False`` calls
-(``gradpatch.fixes.ldm_dpm_solver``). ``ema_scope`` is guarded. SD1's and ControlNet's samplers move
+(``gradpatch.sampling.ldm_dpm_solver``). ``ema_scope`` is guarded. SD1's and ControlNet's samplers move
 their buffers to CUDA in ``register_buffer`` and SD2's default to ``device=cuda``: the buffers follow the
 model's device instead (sdkit's copy already does). SD1's undecorated
 ``differentiable_decode_first_stage`` needs nothing.
 
-Fingerprints (``python -m gradpatch.fingerprint``) from PyPI stable-diffusion-sdkit 2.1.5 and the
+Fingerprints (``python -m gradpatch.patching.fingerprint``) from PyPI stable-diffusion-sdkit 2.1.5 and the
 GitHub snapshots Stability-AI/stablediffusion@cf1d67a (SD2), lllyasviel/ControlNet@ed85cd1,
 CompVis/stable-diffusion@21f890f (SD1) and CompVis/latent-diffusion@a506df5 (no DPM-Solver). Only
 sdkit is installable: SD2/ControlNet/SD1 code is recognised by fingerprint and the fix is tested on
@@ -28,8 +28,8 @@ sdkit, which shares SD2's hashes for most targets (it differs in ``DPMSolverSamp
 ``DPM_Solver.sample``, ``DDIMSampler.decode`` and the ``register_buffer`` methods, which already follow
 the model's device there); the SD1 variants are separate hashes of the same shape.
 """
-from gradpatch.lift import Liftable
-from gradpatch.registry import Patch
+from gradpatch.sampling.lift import Liftable
+from gradpatch.patching.registry import Patch
 
 from ._families import checkpoint_family
 from ._ldm import DEVICE, EMA, ENTRY, INNER, STEP_BY_INDEX, STEP_BY_TIMESTEP, ldm_sampling
@@ -111,7 +111,7 @@ PATCHES += ldm_sampling("ldm", [
 
 PATCHES.append(Patch(
     "ldm.DPM_Solver.sample", f"{_M}.dpm_solver.dpm_solver:DPM_Solver.sample",
-    "gradpatch.fixes.ldm_dpm_solver:solver_sample",
+    "gradpatch.sampling.ldm_dpm_solver:solver_sample",
     Liftable({"1b5e3a7b72346eba": _SDKIT, "2a7a5ecd0d1a2b72": f"{_SD2} = {_CN}",
               "80d4a48b32df4647": "CompVis/stable-diffusion@21f890f = AudioLDM-training-finetuning@702a638"}),
     "ldm", "runs with its in-body no_grad lifted inside a cache=False call; one step per model-function call",

@@ -4,7 +4,7 @@
 also *rebinds* every module global that still holds the original object (``from util import
 checkpoint`` made a copy of the name). :func:`uninstall` restores the exact original objects, but only
 where the current value is still ours. Knowing when a module's body has run is
-:mod:`gradpatch.watcher`'s job. Rebinding reads module globals without attribute access: a lazily
+:mod:`gradpatch.patching.watcher`'s job. Rebinding reads module globals without attribute access: a lazily
 imported module that has not loaded yet is never forced to load (it cannot hold the original yet).
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ from types import ModuleType
 from typing import Callable, Iterable, NamedTuple
 
 from gradpatch.errors import RevertWarning, complain
-from gradpatch.watcher import namespace as globals_of, unloaded
+from gradpatch.patching.watcher import namespace as globals_of, unloaded
 
 
 def resolve(dotted: str) -> object:

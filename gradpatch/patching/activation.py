@@ -2,18 +2,18 @@
 
 All state lives here, under one re-entrant lock: the known patches (declared, and the copies the scan
 adopted), which are wanted, what is installed (in order, so revert is LIFO) and a
-:class:`~gradpatch.registry.Record` per patch. While any patch is wanted, :mod:`gradpatch.watcher`
+:class:`~gradpatch.patching.registry.Record` per patch. While any patch is wanted, :mod:`gradpatch.patching.watcher`
 calls one listener, :func:`_body_ran`, after every execution of a module body (first import,
 re-import, reload, a lazy module's first use; any finder, any loader), in the executing thread, before
 the importer binds names from the module: it applies the wanted patches whose target is that module,
-or, for any other module holding a family member's name, asks :mod:`gradpatch.scan` for copies and
+or, for any other module holding a family member's name, asks :mod:`gradpatch.patching.scan` for copies and
 adopts them. A failing fix is recorded and reported, never propagated into the user's ``import``
 (unless strict). When revert() leaves nothing wanted, the watcher stops and the import system is
 exactly as it was. A fork resets the lock in the child, so a lock held by another thread of the parent
 cannot deadlock it.
 
-Layers, lowest first, each importing only those below it: :mod:`~gradpatch.watcher` (imports nothing
-of gradpatch), :mod:`~gradpatch.hooks` (install, rebind), :mod:`~gradpatch.scan` (recognise copies),
+Layers, lowest first, each importing only those below it: :mod:`~gradpatch.patching.watcher` (imports nothing
+of gradpatch), :mod:`~gradpatch.patching.hooks` (install, rebind), :mod:`~gradpatch.patching.scan` (recognise copies),
 this module.
 """
 from __future__ import annotations
@@ -25,12 +25,13 @@ import threading
 from types import ModuleType
 from typing import Iterable, Iterator
 
-from gradpatch import environment, selection, settings, watcher
-from gradpatch import scan as scanning
+from gradpatch import environment, settings
+from gradpatch.patching import scan as scanning
+from gradpatch.patching import selection, watcher
 from gradpatch.errors import ConfigWarning, PatchFailedWarning, UnknownCodeWarning, complain, logger
-from gradpatch.hooks import MISSING, Installed, forget, install, locate, resolve, uninstall
-from gradpatch.registry import Patch, Record, Report, Status
-from gradpatch.versions import _contains, _installed_version, split_requirement  # noqa: F401 (used by cli, tests)
+from gradpatch.patching.hooks import MISSING, Installed, forget, install, locate, resolve, uninstall
+from gradpatch.patching.registry import Patch, Record, Report, Status
+from gradpatch.patching.versions import _contains, _installed_version, split_requirement  # noqa: F401 (used by cli, tests)
 
 _lock = threading.RLock()
 _patches: dict[str, Patch] | None = None
@@ -57,7 +58,7 @@ def known_patches() -> dict[str, Patch]:
     global _patches
     with _lock:
         if _patches is None:
-            from gradpatch import catalogue
+            from gradpatch.patching import catalogue
 
             _patches = catalogue.load()
         return _patches
@@ -80,7 +81,7 @@ def _index() -> dict[str, list[Patch]]:
 
 def select(names: Iterable[object] = (), exclude: object = (), *, source: str = "apply()",
            exclude_source: str = "exclude") -> tuple[list[Patch], list[Patch]]:
-    """``(selected, excluded)`` among :func:`known_patches`: see :func:`gradpatch.selection.select`."""
+    """``(selected, excluded)`` among :func:`known_patches`: see :func:`gradpatch.patching.selection.select`."""
     return selection.select(known_patches(), names, exclude, source=source, exclude_source=exclude_source)
 
 
@@ -201,7 +202,7 @@ def _family_wanted(fixes: frozenset[str]) -> bool:
 
 
 def _adopt(patches: Iterable[Patch], module: ModuleType, *, late: bool, fixes: frozenset[str]) -> list[Record]:
-    """Apply ``patches`` that :mod:`gradpatch.scan` built for a family copy found in ``module``. They
+    """Apply ``patches`` that :mod:`gradpatch.patching.scan` built for a family copy found in ``module``. They
     join this process's catalogue, so report(), revert(), a reload and every later selection of the
     family treat them as declared patches. Lock held."""
     for patch in patches:
@@ -269,7 +270,7 @@ def apply(*names: str | Iterable[str], exclude: str | Iterable[str] | None = Non
     ``"never"`` or ``"budget:<size>"`` (default: ``GRADPATCH_CHECKPOINT``). Explicit arguments beat
     environment variables, which beat defaults. Strictness and policy are process-wide; if ``apply`` raises, strictness is
     put back as it was. ``scan`` finds copies of a selected family's code at any other path (see
-    :mod:`gradpatch.scan`; default: ``GRADPATCH_SCAN``, on).
+    :mod:`gradpatch.patching.scan`; default: ``GRADPATCH_SCAN``, on).
 
     Targets already imported are patched at once, and module globals still holding an original
     object are rebound (and reported); the others are patched the moment they are imported, and
@@ -322,7 +323,7 @@ def _apply(names: tuple, exclude: object, env: environment.Environment, scan: bo
 
 def _unseen(patch: Patch) -> str | None:
     """Why a wanted patch still waits for a module that is imported (by a loader gradpatch could not
-    watch, see :mod:`gradpatch.watcher`), or None. Lock held."""
+    watch, see :mod:`gradpatch.patching.watcher`), or None. Lock held."""
     record = _records.get(patch.name)
     module = sys.modules.get(patch.module)
     if record is None or record.status != Status.DEFERRED or patch.name not in _wanted or module is None \

@@ -3,10 +3,10 @@
 The declared patches name module paths, but the OpenAI/CompVis checkpoint lives on under hundreds of
 other names (``audiosr.latent_diffusion.modules.diffusionmodules.util``, ``myproject/models/util.py``).
 While the scan is on, every module whose body has run that defines a member of a
-:class:`~gradpatch.families.Family` is identified by fingerprint, and a known version is patched like a
+:class:`~gradpatch.patching.families.Family` is identified by fingerprint, and a known version is patched like a
 declared path, with the same fixes, rebinding and report entries (named after the module where the copy
-was found). This module only recognises: :mod:`gradpatch.activation` calls :func:`copies` from the one
-listener it gives :mod:`gradpatch.watcher` (every execution of a module body: import, re-import,
+was found). This module only recognises: :mod:`gradpatch.patching.activation` calls :func:`copies` from the one
+listener it gives :mod:`gradpatch.patching.watcher` (every execution of a module body: import, re-import,
 reload, a lazy module's first use, any finder or loader) and for every module already imported when
 ``apply()`` runs, and adopts what it returns. A copy adopted once is a patch of this process from then
 on: its module's next execution (``importlib.reload``) is patched like a declared path's, and every
@@ -41,7 +41,7 @@ def families() -> list[Any]:
     """The declared families (``patches/_families.py``), loaded on first use."""
     global _names
     if not _families:
-        from gradpatch import catalogue
+        from gradpatch.patching import catalogue
 
         package = catalogue._builtin_package()
         _families.extend(__import__(f"{package.__name__}._families", fromlist=["FAMILIES"]).FAMILIES)
@@ -79,7 +79,7 @@ def copies(module: ModuleType, namespace: dict, selected: list[Any]) -> list[tup
 def _group(module: ModuleType, namespace: dict, family: Any) -> tuple[str, ...]:
     """The set of names to identify ``module``'s copy by: the largest it defines whose fingerprint
     is known, else the largest it defines (which is then reported as unknown)."""
-    from gradpatch.fingerprint import Fingerprints
+    from gradpatch.patching.fingerprint import Fingerprints
 
     objects = tuple(namespace.get(name) for name in family.names)
     key = tuple(id(getattr(obj, "__code__", obj)) for obj in objects)
