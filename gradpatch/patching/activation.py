@@ -127,8 +127,8 @@ def _apply_now(patch: Patch, module: ModuleType, *, late: bool) -> None:
             _record(patch, Status.SKIPPED, f"fixed upstream ({identity.label})", variant=identity.label, version=version)
             return
         if identity.verdict == "unknown":
-            _record(patch, Status.SKIPPED, f"unknown code (fingerprint {identity.label})",
-                    variant=identity.label, version=version)
+            what = f"fingerprint {identity.label}" if _is_fingerprint(identity.label) else identity.label
+            _record(patch, Status.SKIPPED, f"unknown code ({what})", variant=identity.label, version=version)
             unknown = identity.label
         elif identity.verdict == "unreadable":
             _record(patch, Status.SKIPPED, f"cannot be recognised: {identity.label}", version=version)
@@ -147,10 +147,15 @@ def _apply_now(patch: Patch, module: ModuleType, *, late: bool) -> None:
         names = [p.name for p in _index().get(patch.module, ()) if p.name in _wanted]
         said = "unknown code" if unknown is not None else "cannot be recognised"
         if not any(n != patch.name and n in _records and _records[n].reason.startswith(said) for n in names):
-            if unknown is not None:
+            if unknown is not None and _is_fingerprint(unknown):
                 complain(UnknownCodeWarning, f"gradpatch: {patch.module} does not match any known version "
                          f"(fingerprint {unknown}), so gradpatch left it alone ({', '.join(names)}). "
                          "If it is a copy of the known-broken code, add this fingerprint to the catalogue.")
+            elif unknown is not None:  # no fingerprint to add: what runs is not what the source defines
+                complain(UnknownCodeWarning, f"gradpatch: {patch.module} was left alone ({', '.join(names)}): "
+                         f"{unknown}. gradpatch replaces only code it recognises; to have it patched, remove "
+                         "the wrapper (an import hook that wraps every function, such as jaxtyping's "
+                         "install_import_hook, can be told to leave this module out)")
             else:
                 complain(UnknownCodeWarning, f"gradpatch: cannot recognise {patch.module}, so gradpatch left "
                          f"it alone ({', '.join(names)}): {unreadable}.")
@@ -159,6 +164,10 @@ def _apply_now(patch: Patch, module: ModuleType, *, late: bool) -> None:
     _record(patch, Status.APPLIED, patch.summary, variant=identity.label, version=version,
             rebound=installed.rebound_names())
     logger.info("applied %s to %s (%s)", patch.name, patch.target, identity.label)
+
+
+def _is_fingerprint(label: str) -> bool:
+    return len(label) == 16 and all(c in "0123456789abcdef" for c in label)
 
 
 def _body_ran(module: ModuleType, late: bool) -> None:
@@ -205,12 +214,13 @@ def _adopt(patches: Iterable[Patch], module: ModuleType, *, late: bool, fixes: f
     """Apply ``patches`` that :mod:`gradpatch.patching.scan` built for a family copy found in ``module``. They
     join this process's catalogue, so report(), revert(), a reload and every later selection of the
     family treat them as declared patches. Lock held."""
-    for patch in patches:
-        if patch.name not in known_patches():
-            known_patches()[patch.name] = patch
-            _adopted[patch.name] = fixes
-            _wanted.add(patch.name)
-            _apply_now(patch, module, late=late)
+    new = [patch for patch in patches if patch.name not in known_patches()]
+    for patch in new:  # all of them first: one warning names every patch on the module
+        known_patches()[patch.name] = patch
+        _adopted[patch.name] = fixes
+        _wanted.add(patch.name)
+    for patch in new:
+        _apply_now(patch, module, late=late)
     return [_records[p.name] for p in patches if p.name in _records]
 
 
