@@ -1,174 +1,35 @@
-"""apply, revert, applied: choosing patches and putting them in place, at import time.
+"""apply, revert, applied, report: choosing patches and putting them in place, at import time.
 
-All state lives here, under one re-entrant lock: the known patches (declared, and the copies the scan
-adopted), which are wanted, what is installed (in order, so revert is LIFO) and a
-:class:`~gradpatch.patching.registry.Record` per patch. While any patch is wanted, :mod:`gradpatch.patching.watcher`
-calls one listener, :func:`_body_ran`, after every execution of a module body (first import,
-re-import, reload, a lazy module's first use; any finder, any loader), in the executing thread, before
-the importer binds names from the module: it applies the wanted patches whose target is that module,
-or, for any other module holding a family member's name, asks :mod:`gradpatch.patching.scan` for copies and
-adopts them. A failing fix is recorded and reported, never propagated into the user's ``import``
-(unless strict). When revert() leaves nothing wanted, the watcher stops and the import system is
-exactly as it was. A fork resets the lock in the child, so a lock held by another thread of the parent
-cannot deadlock it.
+While any patch is wanted, :mod:`~gradpatch.patching.watcher` calls one listener, :func:`_body_ran`,
+after every execution of a module body (first import, re-import, reload, a lazy module's first use;
+any finder, any loader), in the executing thread, before the importer binds names from the module. It
+applies the wanted patches whose target is that module; for any other module holding a family
+member's name it asks :mod:`~gradpatch.patching.scan` for copies of a selected family and adopts
+them: they join the known patches, so a reload patches them again and every later selection of their
+family selects them. When revert() leaves nothing wanted, the watcher stops and the import system is
+exactly as it was. The state (what is known, wanted, installed, recorded) and applying one patch live
+in :mod:`~gradpatch.patching.ledger`, under its lock.
 
-Layers, lowest first, each importing only those below it: :mod:`~gradpatch.patching.watcher` (imports nothing
-of gradpatch), :mod:`~gradpatch.patching.hooks` (install, rebind), :mod:`~gradpatch.patching.scan` (recognise copies),
-this module.
+Layers, lowest first, each importing only those below it: :mod:`~gradpatch.patching.watcher`
+(imports nothing of gradpatch), :mod:`~gradpatch.patching.hooks` (install, rebind),
+:mod:`~gradpatch.patching.scan` (recognise copies), :mod:`~gradpatch.patching.ledger`, this module.
 """
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
-import threading
 from types import ModuleType
 from typing import Iterable, Iterator
 
 from gradpatch import environment, settings
+from gradpatch.errors import ConfigWarning, PatchFailedWarning, complain
+from gradpatch.patching import ledger, watcher
 from gradpatch.patching import scan as scanning
-from gradpatch.patching import selection, watcher
-from gradpatch.errors import ConfigWarning, PatchFailedWarning, UnknownCodeWarning, complain, logger
-from gradpatch.patching.hooks import MISSING, Installed, forget, install, locate, resolve, uninstall
+from gradpatch.patching.hooks import forget, uninstall
+from gradpatch.patching.ledger import (_adopted, _apply_now, _index, _installed, _record, _records,  # noqa: F401
+                                       _superseded, _wanted, known_patches, select)
 from gradpatch.patching.registry import Patch, Record, Report, Status
 from gradpatch.patching.versions import _contains, _installed_version, split_requirement  # noqa: F401 (used by cli, tests)
-
-_lock = threading.RLock()
-_patches: dict[str, Patch] | None = None
-_wanted: set[str] = set()
-_installed: dict[str, Installed] = {}  # insertion order is install order
-_superseded: dict[str, list[Installed]] = {}  # fixes of earlier executions of a reloaded module
-_records: dict[str, Record] = {}
-_adopted: dict[str, frozenset[str]] = {}  # copies the scan found: patch name -> their family's fixes
-_targets: dict[str, list[Patch]] = {}  # module name -> known patches on it (see _index)
-_indexed = -1  # len(_patches) when _targets was built
-
-
-def _reset_lock_in_child() -> None:
-    global _lock
-    _lock = threading.RLock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_reset_lock_in_child)
-
-
-def known_patches() -> dict[str, Patch]:
-    """Every declared patch by name (the built-in catalogue, then plug-ins)."""
-    global _patches
-    with _lock:
-        if _patches is None:
-            from gradpatch.patching import catalogue
-
-            _patches = catalogue.load()
-        return _patches
-
-
-def _index() -> dict[str, list[Patch]]:
-    """Known patches by target module, rebuilt when patches were added (the scan, a test)."""
-    global _targets, _indexed
-    patches = _patches
-    if patches is None:
-        return {}
-    if len(patches) != _indexed:
-        with _lock:
-            targets: dict[str, list[Patch]] = {}
-            for patch in list(patches.values()):
-                targets.setdefault(patch.module, []).append(patch)
-            _targets, _indexed = targets, len(patches)
-    return _targets
-
-
-def select(names: Iterable[object] = (), exclude: object = (), *, source: str = "apply()",
-           exclude_source: str = "exclude") -> tuple[list[Patch], list[Patch]]:
-    """``(selected, excluded)`` among :func:`known_patches`: see :func:`gradpatch.patching.selection.select`."""
-    return selection.select(known_patches(), names, exclude, source=source, exclude_source=exclude_source)
-
-
-def _record(patch: Patch, status: Status, reason: str = "", **fields: object) -> None:
-    _records[patch.name] = Record(patch.name, patch.upstream, patch.target, status, reason, **fields)  # type: ignore[arg-type]
-
-
-def _in_place(installed: Installed, module: ModuleType, qualname: str) -> bool:
-    try:
-        return locate(module, qualname)[2] is installed.replacement
-    except (AttributeError, LookupError):
-        return False
-
-
-def _apply_now(patch: Patch, module: ModuleType, *, late: bool) -> None:
-    """Recognise and install one patch on an imported module; record the outcome. Lock held."""
-    if patch.name not in _wanted:
-        return
-    previous = _installed.get(patch.name)
-    if previous is not None:
-        if _in_place(previous, module, patch.qualname):
-            return
-        # The body ran again (importlib.reload, or a re-import after the module left sys.modules) and
-        # bound upstream's objects anew: fix those. Names bound to the earlier fix keep it until revert.
-        _superseded.setdefault(patch.name, []).append(_installed.pop(patch.name))
-        logger.info("%s ran again: re-applying %s", patch.module, patch.name)
-    version = None
-    unknown = unreadable = None
-    try:
-        version, problem = _installed_version(patch.requires)
-        if problem:
-            _record(patch, Status.SKIPPED, problem, version=version)
-            return
-        owner, attr, original = locate(module, patch.qualname)
-        if original is MISSING:  # an inherited class attribute: recognise what the class sees
-            original = getattr(owner, attr)
-        ours = next((i.name for i in _installed.values() if i.replacement is original), None)
-        if ours is not None:  # e.g. sgm's attention rebound a checkpoint gradpatch already fixed
-            _record(patch, Status.SKIPPED, f"already gradpatch's fix (from {ours})", version=version)
-            return
-        identity = patch.recognise.identify(module, patch.qualname, original)
-        if identity.verdict == "fixed":
-            _record(patch, Status.SKIPPED, f"fixed upstream ({identity.label})", variant=identity.label, version=version)
-            return
-        if identity.verdict == "unknown":
-            what = f"fingerprint {identity.label}" if _is_fingerprint(identity.label) else identity.label
-            _record(patch, Status.SKIPPED, f"unknown code ({what})", variant=identity.label, version=version)
-            unknown = identity.label
-        elif identity.verdict == "unreadable":
-            _record(patch, Status.SKIPPED, f"cannot be recognised: {identity.label}", version=version)
-            unreadable = identity.label
-        else:
-            factory = resolve(patch.fix)
-            in_use = [other.replacement for other in _installed.values()]
-            installed = install(patch.name, module, patch.qualname, factory, late=late, in_use=in_use)  # type: ignore[arg-type]
-    except Exception as exc:
-        _record(patch, Status.FAILED, f"{type(exc).__name__}: {exc}", version=version)
-        complain(PatchFailedWarning, f"gradpatch: patch {patch.name!r} failed on {patch.target} and "
-                 f"was not applied: {type(exc).__name__}: {exc}")
-        return
-    if unknown is not None or unreadable is not None:  # outside the try: strict mode raises this
-        # One warning per module, not one per patch on it (e.g. checkpoint and CheckpointFunction).
-        names = [p.name for p in _index().get(patch.module, ()) if p.name in _wanted]
-        said = "unknown code" if unknown is not None else "cannot be recognised"
-        if not any(n != patch.name and n in _records and _records[n].reason.startswith(said) for n in names):
-            if unknown is not None and _is_fingerprint(unknown):
-                complain(UnknownCodeWarning, f"gradpatch: {patch.module} does not match any known version "
-                         f"(fingerprint {unknown}), so gradpatch left it alone ({', '.join(names)}). "
-                         "If it is a copy of the known-broken code, add this fingerprint to the catalogue.")
-            elif unknown is not None:  # no fingerprint to add: what runs is not what the source defines
-                complain(UnknownCodeWarning, f"gradpatch: {patch.module} was left alone ({', '.join(names)}): "
-                         f"{unknown}. gradpatch replaces only code it recognises; to have it patched, remove "
-                         "the wrapper (an import hook that wraps every function, such as jaxtyping's "
-                         "install_import_hook, can be told to leave this module out)")
-            else:
-                complain(UnknownCodeWarning, f"gradpatch: cannot recognise {patch.module}, so gradpatch left "
-                         f"it alone ({', '.join(names)}): {unreadable}.")
-        return
-    _installed[patch.name] = installed
-    _record(patch, Status.APPLIED, patch.summary, variant=identity.label, version=version,
-            rebound=installed.rebound_names())
-    logger.info("applied %s to %s (%s)", patch.name, patch.target, identity.label)
-
-
-def _is_fingerprint(label: str) -> bool:
-    return len(label) == 16 and all(c in "0123456789abcdef" for c in label)
-
 
 def _body_ran(module: ModuleType, late: bool) -> None:
     """The watcher's listener: ``module``'s body has run. Cheap for the modules gradpatch has no
@@ -188,7 +49,7 @@ def _body_ran(module: ModuleType, late: bool) -> None:
 def _on_import(module: ModuleType, *, late: bool = False) -> list[Record]:
     """Apply every wanted patch that targets ``module``, whose body has just run; for a module no
     patch targets, adopt the copies of selected families the scan finds in it."""
-    with _lock:
+    with ledger._lock:
         name = module.__name__
         targets = _index().get(name)
         if targets:
@@ -310,7 +171,7 @@ def _apply(names: tuple, exclude: object, env: environment.Environment, scan: bo
         exclude, exclude_source = env.exclude, "GRADPATCH_EXCLUDE"
     selected, excluded = select(names, exclude, source=source, exclude_source=exclude_source)  # type: ignore[arg-type]
     scan_on = env.scan if scan is None else bool(scan)
-    with _lock:
+    with ledger._lock:
         for patch in excluded:
             if patch.name not in _wanted:
                 _record(patch, Status.SKIPPED, "excluded")
@@ -350,7 +211,7 @@ def revert(*names: str | Iterable[str]) -> Report:
     A target that something else has replaced since is left alone with a
     :class:`~gradpatch.RevertWarning`. Reverted patches are no longer applied on later imports.
     """
-    with _lock:
+    with ledger._lock:
         chosen = select(names, source="revert()")[0] if names else [known_patches()[n] for n in _wanted]
         chosen_names = {p.name for p in chosen}
         # A copy the scan adopted goes with the last wanted declared patch of its family.
@@ -389,13 +250,13 @@ def applied(*names: str | Iterable[str], exclude: str | Iterable[str] | None = N
     policy = checkpoint if checkpoint is not None else env.checkpoint
     if policy is not None:
         overrides["checkpoint_policy"] = settings.check_policy(policy)
-    with _lock:
+    with ledger._lock:
         before = set(_wanted)
     with settings.scope(**overrides):
         try:
             yield _apply(names, exclude, env, scan)
         finally:
-            with _lock:
+            with ledger._lock:
                 mine = [name for name in _wanted if name not in before]
             if mine:
                 revert(*mine)
@@ -405,7 +266,7 @@ def report() -> Report:
     """What happened to every patch this process has selected: applied, deferred, skipped (with the
     reason), failed (with the error) or reverted. A patch deferred although its module has been
     imported (by a loader gradpatch cannot watch) says so, and is warned about once."""
-    with _lock:
+    with ledger._lock:
         for name in [name for name in _wanted if _records.get(name, None) is not None]:
             why = _unseen(known_patches()[name])
             if why is not None and _records[name].reason != why:

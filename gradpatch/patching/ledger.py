@@ -1,0 +1,158 @@
+"""What gradpatch knows, wants, has installed and has recorded, and applying one patch.
+
+The state behind :mod:`gradpatch.patching.activation`, under one re-entrant lock: the known patches
+(the catalogue, and the copies the scan adopted), which are wanted, what is installed (in order, so
+revert is LIFO), the fixes of earlier executions of a reloaded module, and a
+:class:`~gradpatch.patching.registry.Record` per patch. :func:`_apply_now` recognises and installs one
+patch on a module whose body has run, and records the outcome; a failing fix is recorded and warned
+about, never raised into the user's ``import`` (unless strict). A fork resets the lock in the child,
+so a lock held by another thread of the parent cannot deadlock it.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from types import ModuleType
+from typing import Iterable
+
+from gradpatch.errors import PatchFailedWarning, UnknownCodeWarning, complain, logger
+from gradpatch.patching import selection
+from gradpatch.patching.hooks import MISSING, Installed, install, locate, resolve
+from gradpatch.patching.registry import Patch, Record, Status
+from gradpatch.patching.versions import _installed_version
+
+_lock = threading.RLock()
+_patches: dict[str, Patch] | None = None
+_wanted: set[str] = set()
+_installed: dict[str, Installed] = {}  # insertion order is install order
+_superseded: dict[str, list[Installed]] = {}  # fixes of earlier executions of a reloaded module
+_records: dict[str, Record] = {}
+_adopted: dict[str, frozenset[str]] = {}  # copies the scan found: patch name -> their family's fixes
+_targets: dict[str, list[Patch]] = {}  # module name -> known patches on it (see _index)
+_indexed = -1  # len(_patches) when _targets was built
+
+
+def _reset_lock_in_child() -> None:
+    global _lock
+    _lock = threading.RLock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_lock_in_child)
+
+
+def known_patches() -> dict[str, Patch]:
+    """Every declared patch by name (the built-in catalogue, then plug-ins)."""
+    global _patches
+    with _lock:
+        if _patches is None:
+            from gradpatch.patching import catalogue
+
+            _patches = catalogue.load()
+        return _patches
+
+
+def _index() -> dict[str, list[Patch]]:
+    """Known patches by target module, rebuilt when patches were added (the scan, a test)."""
+    global _targets, _indexed
+    patches = _patches
+    if patches is None:
+        return {}
+    if len(patches) != _indexed:
+        with _lock:
+            targets: dict[str, list[Patch]] = {}
+            for patch in list(patches.values()):
+                targets.setdefault(patch.module, []).append(patch)
+            _targets, _indexed = targets, len(patches)
+    return _targets
+
+
+def select(names: Iterable[object] = (), exclude: object = (), *, source: str = "apply()",
+           exclude_source: str = "exclude") -> tuple[list[Patch], list[Patch]]:
+    """``(selected, excluded)`` among :func:`known_patches`: see :func:`gradpatch.patching.selection.select`."""
+    return selection.select(known_patches(), names, exclude, source=source, exclude_source=exclude_source)
+
+
+def _record(patch: Patch, status: Status, reason: str = "", **fields: object) -> None:
+    _records[patch.name] = Record(patch.name, patch.upstream, patch.target, status, reason, **fields)  # type: ignore[arg-type]
+
+
+def _in_place(installed: Installed, module: ModuleType, qualname: str) -> bool:
+    try:
+        return locate(module, qualname)[2] is installed.replacement
+    except (AttributeError, LookupError):
+        return False
+
+
+def _apply_now(patch: Patch, module: ModuleType, *, late: bool) -> None:
+    """Recognise and install one patch on an imported module; record the outcome. Lock held."""
+    if patch.name not in _wanted:
+        return
+    previous = _installed.get(patch.name)
+    if previous is not None:
+        if _in_place(previous, module, patch.qualname):
+            return
+        # The body ran again (importlib.reload, or a re-import after the module left sys.modules) and
+        # bound upstream's objects anew: fix those. Names bound to the earlier fix keep it until revert.
+        _superseded.setdefault(patch.name, []).append(_installed.pop(patch.name))
+        logger.info("%s ran again: re-applying %s", patch.module, patch.name)
+    version = None
+    unknown = unreadable = None
+    try:
+        version, problem = _installed_version(patch.requires)
+        if problem:
+            _record(patch, Status.SKIPPED, problem, version=version)
+            return
+        owner, attr, original = locate(module, patch.qualname)
+        if original is MISSING:  # an inherited class attribute: recognise what the class sees
+            original = getattr(owner, attr)
+        ours = next((i.name for i in _installed.values() if i.replacement is original), None)
+        if ours is not None:  # e.g. sgm's attention rebound a checkpoint gradpatch already fixed
+            _record(patch, Status.SKIPPED, f"already gradpatch's fix (from {ours})", version=version)
+            return
+        identity = patch.recognise.identify(module, patch.qualname, original)
+        if identity.verdict == "fixed":
+            _record(patch, Status.SKIPPED, f"fixed upstream ({identity.label})", variant=identity.label, version=version)
+            return
+        if identity.verdict == "unknown":
+            what = f"fingerprint {identity.label}" if _is_fingerprint(identity.label) else identity.label
+            _record(patch, Status.SKIPPED, f"unknown code ({what})", variant=identity.label, version=version)
+            unknown = identity.label
+        elif identity.verdict == "unreadable":
+            _record(patch, Status.SKIPPED, f"cannot be recognised: {identity.label}", version=version)
+            unreadable = identity.label
+        else:
+            factory = resolve(patch.fix)
+            in_use = [other.replacement for other in _installed.values()]
+            installed = install(patch.name, module, patch.qualname, factory, late=late, in_use=in_use)  # type: ignore[arg-type]
+    except Exception as exc:
+        _record(patch, Status.FAILED, f"{type(exc).__name__}: {exc}", version=version)
+        complain(PatchFailedWarning, f"gradpatch: patch {patch.name!r} failed on {patch.target} and "
+                 f"was not applied: {type(exc).__name__}: {exc}")
+        return
+    if unknown is not None or unreadable is not None:  # outside the try: strict mode raises this
+        # One warning per module, not one per patch on it (e.g. checkpoint and CheckpointFunction).
+        names = [p.name for p in _index().get(patch.module, ()) if p.name in _wanted]
+        said = "unknown code" if unknown is not None else "cannot be recognised"
+        if not any(n != patch.name and n in _records and _records[n].reason.startswith(said) for n in names):
+            if unknown is not None and _is_fingerprint(unknown):
+                complain(UnknownCodeWarning, f"gradpatch: {patch.module} does not match any known version "
+                         f"(fingerprint {unknown}), so gradpatch left it alone ({', '.join(names)}). "
+                         "If it is a copy of the known-broken code, add this fingerprint to the catalogue.")
+            elif unknown is not None:  # no fingerprint to add: what runs is not what the source defines
+                complain(UnknownCodeWarning, f"gradpatch: {patch.module} was left alone ({', '.join(names)}): "
+                         f"{unknown}. gradpatch replaces only code it recognises; to have it patched, remove "
+                         "the wrapper (an import hook that wraps every function, such as jaxtyping's "
+                         "install_import_hook, can be told to leave this module out)")
+            else:
+                complain(UnknownCodeWarning, f"gradpatch: cannot recognise {patch.module}, so gradpatch left "
+                         f"it alone ({', '.join(names)}): {unreadable}.")
+        return
+    _installed[patch.name] = installed
+    _record(patch, Status.APPLIED, patch.summary, variant=identity.label, version=version,
+            rebound=installed.rebound_names())
+    logger.info("applied %s to %s (%s)", patch.name, patch.target, identity.label)
+
+
+def _is_fingerprint(label: str) -> bool:
+    return len(label) == 16 and all(c in "0123456789abcdef" for c in label)
