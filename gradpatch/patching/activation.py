@@ -31,6 +31,7 @@ from gradpatch.patching.ledger import (_adopted, _apply_now, _index, _installed,
 from gradpatch.patching.registry import Patch, Record, Report, Status
 from gradpatch.patching.versions import _contains, _installed_version, split_requirement  # noqa: F401 (used by cli, tests)
 
+
 def _body_ran(module: ModuleType, late: bool) -> None:
     """The watcher's listener: ``module``'s body has run. Cheap for the modules gradpatch has no
     business with (a dict lookup and a key test, no lock); never breaks the import (unless strict)."""

@@ -58,12 +58,12 @@ def _index() -> dict[str, list[Patch]]:
     patches = _patches
     if patches is None:
         return {}
-    if len(patches) != _indexed:
-        with _lock:
-            targets: dict[str, list[Patch]] = {}
-            for patch in list(patches.values()):
-                targets.setdefault(patch.module, []).append(patch)
-            _targets, _indexed = targets, len(patches)
+    if len(patches) != _indexed:  # no lock: every import asks, and must never wait for another thread
+        known = list(patches.values())  # one C call: no other thread runs during it
+        targets: dict[str, list[Patch]] = {}
+        for patch in known:
+            targets.setdefault(patch.module, []).append(patch)
+        _targets, _indexed = targets, len(known)
     return _targets
 
 
@@ -139,11 +139,13 @@ def _apply_now(patch: Patch, module: ModuleType, *, late: bool) -> None:
                 complain(UnknownCodeWarning, f"gradpatch: {patch.module} does not match any known version "
                          f"(fingerprint {unknown}), so gradpatch left it alone ({', '.join(names)}). "
                          "If it is a copy of the known-broken code, add this fingerprint to the catalogue.")
-            elif unknown is not None:  # no fingerprint to add: what runs is not what the source defines
+            elif unknown is not None:  # no fingerprint to add: say what was found instead
+                wrapped = "not the module's own definition" in unknown
                 complain(UnknownCodeWarning, f"gradpatch: {patch.module} was left alone ({', '.join(names)}): "
-                         f"{unknown}. gradpatch replaces only code it recognises; to have it patched, remove "
-                         "the wrapper (an import hook that wraps every function, such as jaxtyping's "
-                         "install_import_hook, can be told to leave this module out)")
+                         f"{unknown}. gradpatch replaces only code it recognises" + (
+                             "; to have it patched, remove the wrapper (an import hook that wraps every "
+                             "function, such as jaxtyping's install_import_hook, can be told to leave this "
+                             "module out)" if wrapped else ""))
             else:
                 complain(UnknownCodeWarning, f"gradpatch: cannot recognise {patch.module}, so gradpatch left "
                          f"it alone ({', '.join(names)}): {unreadable}.")
