@@ -75,13 +75,15 @@ import json, sys, time, timeit, types
 import _frozen_importlib
 import gradpatch.patching.activation as a
 from gradpatch.patching import ledger, scan, watcher
-seen, examined = [0], []
+seen, examined, patched = [0], [], []
 listener, on_import = watcher._listener, a._on_import
 def counted(module, late):
     seen[0] += 1
     listener(module, late)
-def timed_on_import(*args, **kw):
-    t = time.thread_time(); found = on_import(*args, **kw); examined.append(time.thread_time() - t)
+def timed_on_import(module, **kw):
+    target = module.__name__ in ledger._index()
+    t = time.thread_time(); found = on_import(module, **kw)
+    (patched if target else examined).append(time.thread_time() - t)
     return found
 watcher._listener, a._on_import = counted, timed_on_import
 t = time.thread_time(); import diffusers, audioldm; total = time.thread_time() - t
@@ -113,7 +115,7 @@ again_watched = best(lambda: [__import__("json") for _ in range(100)], 100) / 10
 with ledger._lock:
     sweep = best(a._sweep, 10)
 print(json.dumps([total * 1e3, seen[0], per_listen * 1e6, (watched - bare) * 1e6, len(examined), sum(examined) * 1e3,
-                  (again_watched - again_bare) * 1e9, sweep * 1e3, len(sys.modules)]))
+                  (again_watched - again_bare) * 1e9, sweep * 1e3, len(sys.modules), len(patched), sum(patched) * 1e3]))
 """
 
 def self_times(**env: str) -> dict[str, int]:
@@ -165,12 +167,13 @@ def main() -> None:
           f"(extra beyond the target's own import: {hooks + added:.1f} ms)")
 
     runs = [json.loads(run(SCAN_PROBE, GRADPATCH="1").splitlines()[-1]) for _ in range(max(3, repeats // 3))]
-    total, seen, per_listen, per_watch, n_examined, examined, per_again, sweep, modules = [
-        statistics.median(r[i] for r in runs) if isinstance(runs[0][i], float) else runs[0][i] for i in range(9)]
+    total, seen, per_listen, per_watch, n_examined, examined, per_again, sweep, modules, n_patched, patched = [
+        statistics.median(r[i] for r in runs) if isinstance(runs[0][i], float) else runs[0][i] for i in range(11)]
     cost = seen * (per_listen + max(per_watch, 0.0)) / 1e3 + examined
     print(f"watch + scan, GRADPATCH=1, import diffusers + audioldm ({total:.0f} ms CPU, {seen} module bodies): "
           f"{cost:.2f} ms ({cost / total:.3%}) = {seen} x ({per_watch:.2f} us watching + {per_listen:.2f} us "
-          f"listener) + {n_examined} patched or examined ({examined:.2f} ms)")
+          f"listener) + {n_examined} examined by the scan ({examined:.2f} ms); patching the {n_patched} "
+          f"targets among them: {patched:.1f} ms")
     print(f"  + sys.modules sweep at apply(), after both imports: {sweep:.2f} ms over {modules} modules; "
           f"`import x` of a module already imported: {per_again:+.0f} ns while watching")
 
