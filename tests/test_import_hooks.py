@@ -213,6 +213,7 @@ def lazy(name):
     loader.exec_module(module)
     return module
 
+import myfork.block  # imported before apply(): patching it rebinds names across sys.modules
 broken = lazy("brokenlazy")
 copy = lazy_loader.load("lazyfork.util")
 before = [type(broken).__name__, type(copy).__name__]
@@ -220,14 +221,15 @@ try:
     report = [[r.patch, r.status.value] for r in gradpatch.apply() if "lazy" in r.patch]
 except Exception as exc:
     report = repr(exc)
-during = [type(broken).__name__, type(copy).__name__, found("lazyfork.")]
+during = [type(broken).__name__, type(copy).__name__, found("lazyfork."), statuses("myfork.")]
 import lazyfork.block  # `from lazyfork.util import checkpoint`: its first use
 print(json.dumps([before, report, during, type(broken).__name__, step(lazyfork.block), statuses("lazyfork.")]))
 ''')
     before, report, during, broken, trained, after = out
     assert before == ["_LazyModule", "_LazyModule"]
     assert report == [], "nothing raised, nothing examined yet"
-    assert during == ["_LazyModule", "_LazyModule", []], "apply() loaded neither"
+    assert during == ["_LazyModule", "_LazyModule", [], applied("myfork.util")], \
+        "apply() loaded neither, examining sys.modules and rebinding the copy it patched"
     assert broken == "_LazyModule"
     assert trained is True and after == applied("lazyfork.util")
 
