@@ -380,10 +380,11 @@ print(json.dumps([type(sys.meta_path[0]).__name__, step(ldmblock), statuses("ldm
     assert copy_trains is True and copy == applied(f"{'tgfork' if ahead == 'typeguard' else 'customfork'}.util")
 
 
-def test_6_a_target_imported_where_gradpatch_cannot_see_is_not_reported_as_waiting(root):
-    """A loader with only the deprecated ``load_module`` hides the body from every watcher: the
-    report says the target was imported unseen (not "waiting to be imported"), one warning says what
-    to do, and apply() again patches it."""
+def test_6_a_target_run_where_gradpatch_cannot_see_is_reported_and_patched_by_apply_again(root):
+    """A loader with only the deprecated ``load_module`` hides the body from every watcher, and so
+    does the reload of a module through a loader with an ``exec_module`` of its own: the report says
+    the target's body ran unseen (not "waiting to be imported", not "applied"), one warning per patch
+    says what to do, and apply() again patches it."""
     util = importlib.util.find_spec("ldm").submodule_search_locations[0] + "/modules/diffusionmodules/util.py"
     out = _run(root, f'''
 import importlib.util
@@ -397,18 +398,37 @@ class Legacy:  # a loader with load_module only: the import system runs no exec_
         module.__file__, module.__loader__ = {util!r}, self
         exec(compile(open({util!r}).read(), {util!r}, "exec"), module.__dict__)
         return module
+class ExecLoader(Legacy):  # a loader of its own, run by importlib.reload
+    def create_module(self, spec):
+        return None
+    def exec_module(self, module):
+        exec(compile(open({util!r}).read(), {util!r}, "exec"), module.__dict__)
+def reports(caught):
+    return [found("ldm.modules.diffusionmodules.util:"), warned(caught)]
 gradpatch.apply("ldm")
 sys.meta_path.insert(0, Legacy())
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     import ldmblock
-    unseen = found("ldm.modules.diffusionmodules.util:")
+    imported = reports(caught)
 before = step(ldmblock)
 again = [r.status.value for r in gradpatch.apply("ldm") if r.target.startswith("ldm.modules.diffusionmodules.util:")]
-print(json.dumps([unseen, warned(caught), before, again, step(ldmblock)]))
+patched = step(ldmblock)
+sys.meta_path[0] = ExecLoader()
+util = sys.modules["ldm.modules.diffusionmodules.util"]
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    importlib.reload(util)
+    reloaded = reports(caught) + [util.checkpoint.__module__]
+gradpatch.apply("ldm")
+print(json.dumps([imported, before, again, patched, reloaded, util.checkpoint.__module__]))
 ''')
-    unseen, warnings, before, again, after = out
-    assert [r[1] for r in unseen] == ["deferred", "deferred"]
-    assert all("without gradpatch seeing its body run" in r[2] and "apply() again" in r[2] for r in unseen)
-    assert len(warnings) == 2 and all("is not applied" in w for w in warnings)  # one per patch
-    assert UPSTREAM in before and again == ["applied", "applied"] and after is True
+    imported, before, again, patched, reloaded, module = out
+    for (records, warnings), loader in [(imported, "Legacy"), (reloaded[:2], "ExecLoader")]:
+        assert [r[1] for r in records] == ["deferred", "deferred"]
+        assert all(r[2].startswith(f"ldm.modules.diffusionmodules.util's body ran (loaded by {loader}) without "
+                                   "gradpatch seeing it") and "apply() again" in r[2] for r in records)
+        assert len(warnings) == 2 and all("is not applied" in w for w in warnings)  # one per patch
+    assert UPSTREAM in before and again == ["applied", "applied"] and patched is True
+    assert reloaded[2] == "ldm.modules.diffusionmodules.util", "the unseen reload bound upstream's code"
+    assert module.startswith("gradpatch."), "apply() again patched it"

@@ -194,16 +194,22 @@ def _apply(names: tuple, exclude: object, env: environment.Environment, scan: bo
 
 
 def _unseen(patch: Patch) -> str | None:
-    """Why a wanted patch still waits for a module that is imported (by a loader gradpatch could not
-    watch, see :mod:`gradpatch.patching.watcher`), or None. Lock held."""
+    """Why a wanted patch is not in place although its module's body has run, unseen (a loader
+    gradpatch cannot watch, see :mod:`~gradpatch.patching.watcher`: imported, or reloaded, since), or
+    None. Lock held."""
     record = _records.get(patch.name)
     module = sys.modules.get(patch.module)
-    if record is None or record.status != Status.DEFERRED or patch.name not in _wanted or module is None \
-            or watcher.unloaded(module) or watcher.running(module):
+    if record is None or patch.name not in _wanted or module is None or watcher.unloaded(module) \
+            or watcher.running(module):
         return None
-    loader = getattr(watcher.namespace(module) or {}, "get", lambda _: None)("__loader__")
-    return (f"{patch.module} was imported (by {type(loader).__name__}) without gradpatch seeing its body run; "
-            "call gradpatch.apply() again to patch it now")
+    installed = _installed.get(patch.name)
+    if record.status == Status.APPLIED and installed is not None and ledger._in_place(installed, module, patch.qualname):
+        return None
+    if record.status not in (Status.APPLIED, Status.DEFERRED):
+        return None
+    loader = (watcher.namespace(module) or {}).get("__loader__")
+    return (f"{patch.module}'s body ran (loaded by {type(loader).__name__}) without gradpatch seeing it, so "
+            f"{patch.target} is not gradpatch's fix; call gradpatch.apply() again to patch it now")
 
 
 def revert(*names: str | Iterable[str]) -> Report:
@@ -265,8 +271,8 @@ def applied(*names: str | Iterable[str], exclude: str | Iterable[str] | None = N
 
 def report() -> Report:
     """What happened to every patch this process has selected: applied, deferred, skipped (with the
-    reason), failed (with the error) or reverted. A patch deferred although its module has been
-    imported (by a loader gradpatch cannot watch) says so, and is warned about once."""
+    reason), failed (with the error) or reverted. A patch not in place although its module's body has
+    run (by a loader gradpatch cannot watch) says so, and is warned about once."""
     with ledger._lock:
         for name in [name for name in _wanted if _records.get(name, None) is not None]:
             why = _unseen(known_patches()[name])
