@@ -39,7 +39,8 @@ What it cannot see: a loader with an ``exec_module`` of its own (not the standar
 outside an import (its ``reload``, a hand-made execution); a loader with only the deprecated
 ``load_module``; code ``exec``'d into a ``types.ModuleType`` with no loader at all; on Python 3.9, zip
 imports (its ``zipimporter`` has only ``load_module``). ``apply()`` examines what those left in
-``sys.modules`` by then, and the report says so for a declared target imported unseen.
+``sys.modules`` by then, and ``report()`` says so (with a warning) for a declared target whose body
+ran unseen: not in place, and patched by ``apply()`` again.
 
 Why not wrapt's post-import hooks: they fire once per name (their registry is emptied on the first
 import), never on ``importlib.reload`` or a second import; their finder sits at ``sys.meta_path[0]``
