@@ -49,27 +49,36 @@ def _body_ran(module: ModuleType, late: bool) -> None:
 
 def _on_import(module: ModuleType, *, late: bool = False) -> list[Record]:
     """Apply every wanted patch that targets ``module``, whose body has just run; for a module no
-    patch targets, adopt the copies of selected families the scan finds in it."""
-    with ledger._lock:
-        name = module.__name__
-        targets = _index().get(name)
-        if targets:
-            for patch in targets:
+    patch targets, adopt the copies of selected families the scan finds in it. The lock is taken only
+    to patch: looking for a copy (most modules holding a member's name hold none, such as
+    ``torch.utils.checkpoint``) never waits for a thread that holds it while importing."""
+    name = module.__name__
+    if name.partition(".")[0] == "gradpatch":
+        return []
+    if name in _index():
+        with ledger._lock:
+            for patch in _index().get(name, ()):
                 _apply_now(patch, module, late=late)
-            return []
-        namespace = watcher.namespace(module)
-        if namespace is None or not scanning.candidate(namespace) or name.partition(".")[0] == "gradpatch":
-            return []
-        selected = [family for family in scanning.families() if _family_wanted(family.fixes())]
-        records: list[Record] = []
-        for family, patches in scanning.copies(module, namespace, selected) if selected else ():
-            records += _adopt(patches, module, late=late, fixes=family.fixes())
-        return records
+        return []
+    namespace = watcher.namespace(module)
+    if namespace is None or not scanning.candidate(namespace):
+        return []
+    selected = [family for family in scanning.families() if _family_wanted(family.fixes())]
+    found = scanning.copies(module, namespace, selected) if selected else []
+    records: list[Record] = []
+    if found:
+        with ledger._lock:
+            for family, patches in found:
+                if _family_wanted(family.fixes()):  # still: a revert may have run meanwhile
+                    records += _adopt(patches, module, late=late, fixes=family.fixes())
+    return records
 
 
 def _family_wanted(fixes: frozenset[str]) -> bool:
-    """Whether a wanted declared patch uses one of a family's ``fixes``: its copies are wanted then."""
-    return any(known_patches()[name].fix in fixes for name in _wanted if name not in _adopted)
+    """Whether a wanted declared patch uses one of a family's ``fixes``: its copies are wanted then.
+    Reads snapshots, without the lock."""
+    patches = ledger._patches or {}
+    return any(getattr(patches.get(name), "fix", None) in fixes for name in list(_wanted) if name not in _adopted)
 
 
 def _adopt(patches: Iterable[Patch], module: ModuleType, *, late: bool, fixes: frozenset[str]) -> list[Record]:
