@@ -192,8 +192,3 @@ def stop() -> None:
         _LoaderBasics.exec_module = current.__wrapped__  # type: ignore[union-attr, method-assign]
     if vars(ModuleSpec).get("_initializing") is _INITIALIZING:
         del ModuleSpec._initializing  # type: ignore[attr-defined]
-
-
-def watching() -> bool:
-    """Whether a listener is being called."""
-    return _listener is not None
