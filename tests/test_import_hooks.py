@@ -200,7 +200,8 @@ print(json.dumps(results))
 
 def test_2_lazy_modules_stay_lazy_and_are_patched_when_they_load(root):
     """apply() neither loads a lazily imported module (whose body here needs a module that is not
-    installed, as librosa's lazy resampy does) nor misses a lazy copy: it is patched on first use."""
+    installed, as librosa's lazy resampy does) nor misses a lazy copy or a lazy declared target: each
+    is patched on its first use."""
     out = _run(root, '''
 import importlib.util, lazy_loader
 
@@ -216,22 +217,30 @@ def lazy(name):
 import myfork.block  # imported before apply(): patching it rebinds names across sys.modules
 broken = lazy("brokenlazy")
 copy = lazy_loader.load("lazyfork.util")
+target = lazy("ldm.modules.diffusionmodules.util")
 before = [type(broken).__name__, type(copy).__name__]
 try:
     report = [[r.patch, r.status.value] for r in gradpatch.apply() if "lazy" in r.patch]
 except Exception as exc:
     report = repr(exc)
 during = [type(broken).__name__, type(copy).__name__, found("lazyfork."), statuses("myfork.")]
+waiting = [type(target).__name__, found("ldm.modules.diffusionmodules.util:")]
 import lazyfork.block  # `from lazyfork.util import checkpoint`: its first use
-print(json.dumps([before, report, during, type(broken).__name__, step(lazyfork.block), statuses("lazyfork.")]))
+import ldmblock
+declared = [step(ldmblock), statuses("ldm.modules.diffusionmodules.util:")]
+print(json.dumps([before, report, during, type(broken).__name__, step(lazyfork.block), statuses("lazyfork."),
+                  waiting, declared]))
 ''')
-    before, report, during, broken, trained, after = out
+    before, report, during, broken, trained, after, waiting, declared = out
     assert before == ["_LazyModule", "_LazyModule"]
     assert report == [], "nothing raised, nothing examined yet"
     assert during == ["_LazyModule", "_LazyModule", [], applied("myfork.util")], \
         "apply() loaded neither, examining sys.modules and rebinding the copy it patched"
     assert broken == "_LazyModule"
     assert trained is True and after == applied("lazyfork.util")
+    assert waiting[0] == "_LazyModule" and [r[1] for r in waiting[1]] == ["deferred", "deferred"]
+    assert all("imported lazily, to load on first use" in r[2] for r in waiting[1])
+    assert declared == [True, [["ldm.CheckpointFunction", "applied"], ["ldm.checkpoint", "applied"]]]
 
 
 def test_3_a_found_copy_is_patched_again_after_reload_and_reimport(root):
