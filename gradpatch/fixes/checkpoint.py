@@ -51,6 +51,7 @@ from gradpatch import settings
 from gradpatch.fixes._compat import is_compiling
 from gradpatch.fixes._graph_path import graph_path as _graph_path
 from gradpatch.fixes._recompute import ESCAPED, attempt
+from gradpatch.fixes._sharding import sharded_inside
 
 __all__ = ["checkpoint", "CheckpointFunction", "mixed_checkpoint", "non_reentrant",
            "replace_checkpoint", "replace_checkpoint_function", "replace_mixed_checkpoint",
@@ -208,6 +209,8 @@ def _checkpoint(func: Callable[..., Any], args: tuple, kwargs: dict | None) -> A
     owner, tag = _escape_key(func)
     if isinstance(owner, torch.nn.Module) and owner.__dict__.get("_is_replica"):
         return _graph_path(func, args, kwargs)  # DataParallel: parameters computed in another thread
+    if sharded_inside(func):  # FSDP2/FSDP1/ZeRO-3 hooks inside: recompute within the graph
+        return _graph_path(func, args, kwargs, rebind=False)
     try:
         escaped = tag in _ESCAPED.get(owner, ())
     except TypeError:  # not weak-referenceable: nothing is remembered
