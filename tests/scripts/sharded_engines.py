@@ -206,9 +206,10 @@ def _segments(flat):
 
 def compare_runs(got: list[dict], want: list[dict]) -> dict:
     """Largest relative difference per step between two runs of a cell (floor: 1e-3 of the largest)."""
-    result = {"rel": [], "missing": [], "frozen_with_grad": [], "tensors": len(want[0])}
+    result = {"rel": [], "missing": [], "frozen_with_grad": [], "tensors": len(want[0]), "scale": []}
     for step, (g, r) in enumerate(zip(got, want)):
-        floor = 1e-3 * max(t.abs().max().item() for t in r.values())
+        result["scale"].append(max(t.abs().max().item() for t in r.values()))
+        floor = 1e-3 * result["scale"][-1]
         result["missing"] += [f"step {step}: {n}" for n in r if n not in g]
         result["frozen_with_grad"] += [f"step {step}: {n}" for n in g if n not in r]
         result["rel"].append(max((g[n] - r[n]).abs().max().item() / max(r[n].abs().max().item(), floor)
