@@ -125,3 +125,74 @@ def test_gradients_under_sharding(launches, group, spec):
     assert max(record["rel"]) <= (BF16 if expect == "bf16" else EXACT), summary
     if expect == "exact":
         assert record["tensors"] == TENSORS[model, spec["trainable"]]
+
+
+def test_parameters_as_restores_absent_entries_and_keeps_an_engines_changes():
+    """An engine (FSDP1 ``use_orig_params``) unregisters a parameter inside the block and registers its
+    own: the swap must neither write ``None`` back nor undo the engine's change."""
+    import torch
+
+    from gradpatch.fixes._graph_path import parameters_as
+
+    linear = torch.nn.Linear(2, 2)
+    weight, bias = linear.weight, linear.bias
+    del linear._parameters["bias"]  # absent while the block runs, as FSDP1 leaves it
+    engines = torch.nn.Parameter(torch.zeros(2, 2))
+    with parameters_as([(linear, "weight", torch.ones(2, 2)), (linear, "bias", bias)]):
+        assert linear._parameters["bias"] is bias
+        linear._parameters["weight"] = engines  # the engine's own change during the block
+    assert "bias" not in linear._parameters and linear._parameters["weight"] is engines
+    linear._parameters["weight"] = weight
+    with parameters_as([(linear, "weight", engines)]):
+        assert linear.weight is engines
+    assert linear.weight is weight
+
+
+def test_modules_of_finds_bound_methods_partials_and_closures():
+    import functools
+
+    import torch
+
+    from gradpatch.fixes._sharding import modules_of, sharded_inside
+
+    a, b, c = torch.nn.Linear(1, 1), torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)
+
+    def closure(x):
+        return c(x)
+
+    assert [m for m in modules_of(a.forward)] == [a]
+    assert {id(m) for m in modules_of(functools.partial(closure, b))} == {id(b), id(c)}
+    assert sharded_inside(a.forward) is None  # no process group: nothing is walked
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_sharded_inside_names_the_engine_and_the_module(run_python_single_rank):
+    assert run_python_single_rank == {"fsdp2": "FSDP2 (fully_shard) on attn1",
+                                      "unit itself": None,
+                                      "zero3": "DeepSpeed ZeRO-3 on ff.net.2.weight"}
+
+
+@pytest.fixture
+def run_python_single_rank(tmp_path):
+    """One gloo rank in a fresh interpreter: what ``sharded_inside`` says about a BasicTransformerBlock
+    with FSDP2 on its attention modules, on a block that is itself the FSDP2 unit, and with a parameter
+    carrying ZeRO-3's ``ds_id``."""
+    from conftest import last_json, run_python
+
+    return last_json(run_python(f"""
+        import json, torch, torch.distributed as dist
+        from torch.distributed.fsdp import fully_shard
+        from audioldm.latent_diffusion.attention import BasicTransformerBlock
+        from gradpatch.fixes._sharding import sharded_inside
+        dist.init_process_group("gloo", init_method="file://{tmp_path / 'store'}", rank=0, world_size=1)
+        block = BasicTransformerBlock(16, 2, 8)
+        fully_shard(block.attn1)
+        unit = BasicTransformerBlock(16, 2, 8)
+        fully_shard(unit)
+        zero = BasicTransformerBlock(16, 2, 8)
+        zero.ff.net[2].weight.ds_id = 7
+        print(json.dumps({{"fsdp2": sharded_inside(block._forward), "unit itself": sharded_inside(unit._forward),
+                          "zero3": sharded_inside(zero._forward)}}))
+        dist.destroy_process_group()
+    """, env={"OMP_NUM_THREADS": "1"}))
