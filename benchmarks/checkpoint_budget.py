@@ -38,8 +38,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import checkpoint_speed as speed  # noqa: E402
 
-from gradpatch.fixes import checkpoint as fixed  # noqa: E402
-from gradpatch.fixes import checkpoint_budget as planner  # noqa: E402
+from gradpatch.checkpointing import checkpoint as fixed  # noqa: E402
+from gradpatch.checkpointing import budget as planner  # noqa: E402
 
 FRACTIONS = (0.25, 0.5, 0.75)
 BASE = {"V1": speed.VARIANTS["V1"], "torch-NR": speed.VARIANTS["torch-NR"],

@@ -6,7 +6,7 @@
 4. ``GRADPATCH=1`` with a real target, beyond the target's own import (target: < 30 ms): the
    import time of the modules gradpatch adds to ``import audioldm`` (those the target does not import
    itself) plus the time spent inside gradpatch's import hooks;
-5. the scan for family copies (``gradpatch.scan``) on ``import diffusers`` + ``import audioldm``
+5. the scan for family copies (``gradpatch.patching.scan``) on ``import diffusers`` + ``import audioldm``
    (target: under 5% of those imports and under 20 ms), in CPU time: the per-module check times the
    modules checked, the examinations of modules holding a member name, the scan's finder beyond
    PathFinder's own work (measured side by side) times its calls, and the ``sys.modules`` sweep that
@@ -51,7 +51,7 @@ def startup_ms(repeats: int, **env: str) -> float:
 
 
 HOOK_TIMER = """
-import json, time, gradpatch.activation as a
+import json, time, gradpatch.patching.activation as a
 spent = [0.0]
 inner = a._on_import
 def timed(module):
@@ -69,7 +69,7 @@ print(json.dumps([spent[0] * 1e3, total * 1e3, [str(r.status) for r in a.report(
 SCAN_PROBE = """
 import json, sys, time, timeit
 from importlib.machinery import PathFinder
-import gradpatch.scan as scan
+import gradpatch.patching.scan as scan
 checked, finds, examined = [0], [0], []
 check, examine, find_spec = scan._imported, scan._examine, scan._find_spec
 def counted_check(module, late=False):
@@ -117,9 +117,9 @@ def main() -> None:
     # Installed packages have bytecode (pip compiles it); a source checkout may not (e.g. with
     # PYTHONDONTWRITEBYTECODE set), which would add compile time that no user pays.
     import gradpatch
-    import gradpatch.catalogue
+    import gradpatch.patching.catalogue
 
-    roots = {Path(gradpatch.__file__).parent, Path(gradpatch.catalogue._builtin_package().__file__).parent}
+    roots = {Path(gradpatch.__file__).parent, Path(gradpatch.patching.catalogue._builtin_package().__file__).parent}
     subprocess.run([sys.executable, "-m", "compileall", "-q", *map(str, roots)], check=True,
                    env={k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"})
 

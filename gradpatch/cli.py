@@ -22,8 +22,8 @@ import sys
 from typing import Sequence
 
 from gradpatch import _OFF
-from gradpatch.fingerprint import Fingerprints, fingerprint_source
-from gradpatch.registry import WIDTH, Patch, elide, format_table
+from gradpatch.patching.fingerprint import Fingerprints, fingerprint_source
+from gradpatch.patching.registry import WIDTH, Patch, elide, format_table
 
 
 def _source_path(module: str) -> str | None:
@@ -52,7 +52,7 @@ def _version(patch: Patch, path: str) -> tuple[str | None, str | None]:
         return None, None
     from importlib.metadata import PackageNotFoundError, distribution
 
-    from gradpatch.activation import split_requirement
+    from gradpatch.patching.activation import split_requirement
 
     name = split_requirement(patch.requires)[0]
     try:
@@ -106,7 +106,7 @@ def _status(patch: Patch) -> dict[str, object]:
 
 
 def _list(args: argparse.Namespace) -> int:
-    from gradpatch.activation import known_patches
+    from gradpatch.patching.activation import known_patches
 
     patches = list(known_patches().values())
     if args.json:
@@ -122,7 +122,7 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def _print_status(args: argparse.Namespace) -> int:
-    from gradpatch.activation import known_patches
+    from gradpatch.patching.activation import known_patches
 
     statuses = [_status(p) for p in known_patches().values()]
     if args.json:
@@ -166,11 +166,10 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _policy(text: str) -> str:
-    from gradpatch.budget import check_policy
-    from gradpatch.settings import CHECKPOINT_POLICIES
+    from gradpatch.settings import check_policy
 
     try:
-        return check_policy(text, CHECKPOINT_POLICIES)
+        return check_policy(text)
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
 

@@ -22,8 +22,8 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("audioldm")
 
 import gradpatch  # noqa: E402
-from gradpatch.fixes import ldm_sampling, sampling  # noqa: E402
-from gradpatch.fixes.diffusers import NotDifferentiableError  # noqa: E402
+from gradpatch.sampling import ldm as ldm_sampling, runner as sampling  # noqa: E402
+from gradpatch.sampling.diffusers import NotDifferentiableError  # noqa: E402
 from gradpatch.testing import audioldm_cond, audioldm_ldm  # noqa: E402
 from conftest import Interleaved  # noqa: E402
 
@@ -376,8 +376,8 @@ def test_catalogue_knows_the_git_variants():
     """AudioLDM's unreleased git HEAD moved register_buffer to the model's device (fixed upstream);
     tango's ddim_sampling only adds ``leave=False`` to tqdm (known). Rebuilt here from the 0.1.1 source."""
     from audioldm.latent_diffusion import ddim
-    from gradpatch.activation import known_patches
-    from gradpatch.fingerprint import fingerprint_source
+    from gradpatch.patching.activation import known_patches
+    from gradpatch.patching.fingerprint import fingerprint_source
 
     source = inspect.getsource(ddim)
     cuda = 'if attr.device != torch.device("cuda"):\n                attr = attr.to(torch.device("cuda"))'

@@ -35,9 +35,9 @@ with warnings.catch_warnings():
 import gradpatch  # noqa: E402
 from conftest import (BackgroundCheck, Interleaved, assert_grads_equal, last_json, pypi_release,  # noqa: E402
                       pypi_wheels, run_python)
-from gradpatch.activation import known_patches  # noqa: E402
-from gradpatch.fingerprint import fingerprint_module  # noqa: E402
-from gradpatch.fixes import function_sampler, sampling  # noqa: E402
+from gradpatch.patching.activation import known_patches  # noqa: E402
+from gradpatch.patching.fingerprint import fingerprint_module  # noqa: E402
+from gradpatch.sampling import function_sampler, runner as sampling  # noqa: E402
 from k_diffusion import sampling as kd  # noqa: E402
 from tqdm import trange  # noqa: E402  (the fake sampler below loops like upstream)
 
@@ -303,7 +303,7 @@ def test_grad_steps_refuses_to_guess_the_step():
 def test_changed_code_is_unknown_and_a_cache_flag_is_fixed_upstream():
     import inspect as inspect_module
 
-    from gradpatch.fingerprint import fingerprint_source
+    from gradpatch.patching.fingerprint import fingerprint_source
 
     recognise = known_patches()["k_diffusion.sample_euler"].recognise
     source = inspect_module.getsource(kd).replace("x = x + d * dt", "x = x + d * dt * 1.0", 1)
@@ -381,7 +381,7 @@ def test_every_published_release_is_catalogued():
     import ast
     import zipfile
 
-    from gradpatch.fingerprint import fingerprint_source
+    from gradpatch.patching.fingerprint import fingerprint_source
     from packaging.specifiers import SpecifierSet
     from packaging.version import Version
 

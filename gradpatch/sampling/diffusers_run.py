@@ -1,10 +1,10 @@
 """One ``cache=False`` run of a diffusers pipeline: grad mode, cache hooks, denoiser steps.
 
-:func:`differentiable_run` is what :mod:`gradpatch.fixes.diffusers` enters around a pipeline's
+:func:`differentiable_run` is what :mod:`gradpatch.sampling.diffusers` enters around a pipeline's
 undecorated ``__call__`` body: grad on and ``eval()`` a no-op on every component
-(:func:`gradpatch.fixes.sampling.differentiable`), cache hooks passed through, and, for
+(:func:`gradpatch.sampling.runner.differentiable`), cache hooks passed through, and, for
 ``grad_steps``/``checkpoint_steps``, each denoiser ``forward`` routed through
-:func:`gradpatch.fixes.sampling.run_step` at the step it belongs to.
+:func:`gradpatch.sampling.runner.run_step` at the step it belongs to.
 
 Step index. A loop runs over ``scheduler.timesteps`` or a suffix of it (img2img strength), calls
 ``scheduler.step`` once per iteration and the denoisers one or more times (split CFG, controlnet;
@@ -28,8 +28,8 @@ from typing import Any, Callable, Iterator
 import torch
 
 from gradpatch.errors import NotDifferentiableError
-from gradpatch.fixes.options import SamplingOptions
-from gradpatch.fixes.sampling import differentiable, run_step
+from gradpatch.sampling.options import SamplingOptions
+from gradpatch.sampling.runner import differentiable, run_step
 
 _DENOISER = re.compile(r"(unet|transformer|prior|controlnet)(_\d+)?")
 _CACHE_HOOK_MODULES = frozenset(f"diffusers.hooks.{name}" for name in (

@@ -12,10 +12,10 @@ module's source text. Normalisation removes what does not change behaviour:
 
 The serialisation skips empty and ``None`` fields, so the same source hashes alike on every Python
 version that parses it. Compute a fingerprint offline with
-``python -m gradpatch.fingerprint FILE NAME [NAME ...]`` (e.g. ``util.py checkpoint CheckpointFunction``).
+``python -m gradpatch.patching.fingerprint FILE NAME [NAME ...]`` (e.g. ``util.py checkpoint CheckpointFunction``).
 
 At run time :class:`Fingerprints` hashes the definitions that made the objects actually found at the
-target (:mod:`gradpatch.definitions`): a wrapper or a rebinding someone installed there is unknown code.
+target (:mod:`gradpatch.patching.definitions`): a wrapper or a rebinding someone installed there is unknown code.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import sys
 from types import ModuleType
 from typing import Callable, Literal, Mapping, NamedTuple, Protocol, Sequence
 
-from gradpatch.definitions import definition_of, import_aliases, lookup, parse_module
+from gradpatch.patching.definitions import definition_of, import_aliases, lookup, parse_module
 
 Verdict = Literal["known", "fixed", "unknown"]
 
@@ -179,7 +179,7 @@ class IsObject(NamedTuple):
     label: str
 
     def identify(self, module: ModuleType, qualname: str, original: object) -> Identity:
-        from gradpatch.hooks import resolve
+        from gradpatch.patching.hooks import resolve
 
         if original is resolve(self.dotted):
             return Identity("known", self.label)
@@ -203,7 +203,7 @@ def has_parameter(name: str) -> Callable[[object], bool]:
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) < 2:
-        print("usage: python -m gradpatch.fingerprint FILE NAME [NAME ...]", file=sys.stderr)
+        print("usage: python -m gradpatch.patching.fingerprint FILE NAME [NAME ...]", file=sys.stderr)
         return 2
     with open(args[0], encoding="utf-8", newline="") as handle:
         print(fingerprint_source(handle.read(), args[1:]))

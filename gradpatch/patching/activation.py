@@ -1,7 +1,7 @@
 """apply, revert, applied: choosing patches and putting them in place, at import time.
 
 All state lives here, under one re-entrant lock: the known patches, which are wanted, what is
-installed (in order, so revert is LIFO) and a :class:`~gradpatch.registry.Record` per patch. Hooks run
+installed (in order, so revert is LIFO) and a :class:`~gradpatch.patching.registry.Record` per patch. Hooks run
 in the importing thread after each execution of a target's body (first import, re-import, reload) and
 take this lock; a failing fix is recorded and reported, never propagated into the user's ``import``
 (unless strict). A fork resets the lock in the child, so a lock held by another thread of the parent
@@ -16,11 +16,13 @@ import threading
 from types import ModuleType
 from typing import Iterable, Iterator
 
-from gradpatch import environment, selection, settings
+from gradpatch import environment, settings
+
+from gradpatch.patching import selection
 from gradpatch.errors import ConfigWarning, PatchFailedWarning, UnknownCodeWarning, complain, logger
-from gradpatch.hooks import MISSING, Installed, forget, install, locate, resolve, uninstall, watch, when_initialised
-from gradpatch.registry import Patch, Record, Report, Status
-from gradpatch.versions import _contains, _installed_version, split_requirement  # noqa: F401 (used by cli, tests)
+from gradpatch.patching.hooks import MISSING, Installed, forget, install, locate, resolve, uninstall, watch, when_initialised
+from gradpatch.patching.registry import Patch, Record, Report, Status
+from gradpatch.patching.versions import _contains, _installed_version, split_requirement  # noqa: F401 (used by cli, tests)
 
 _lock = threading.RLock()
 _patches: dict[str, Patch] | None = None
@@ -44,7 +46,7 @@ def known_patches() -> dict[str, Patch]:
     global _patches
     with _lock:
         if _patches is None:
-            from gradpatch import catalogue
+            from gradpatch.patching import catalogue
 
             _patches = catalogue.load()
         return _patches
@@ -52,7 +54,7 @@ def known_patches() -> dict[str, Patch]:
 
 def select(names: Iterable[object] = (), exclude: object = (), *, source: str = "apply()",
            exclude_source: str = "exclude") -> tuple[list[Patch], list[Patch]]:
-    """``(selected, excluded)`` among :func:`known_patches`: see :func:`gradpatch.selection.select`."""
+    """``(selected, excluded)`` among :func:`known_patches`: see :func:`gradpatch.patching.selection.select`."""
     return selection.select(known_patches(), names, exclude, source=source, exclude_source=exclude_source)
 
 
@@ -192,7 +194,7 @@ def apply(*names: str | Iterable[str], exclude: str | Iterable[str] | None = Non
     ``"never"`` or ``"budget:<size>"`` (default: ``GRADPATCH_CHECKPOINT``). Explicit arguments beat
     environment variables, which beat defaults. Strictness and policy are process-wide; if ``apply`` raises, strictness is
     put back as it was. ``scan`` finds copies of a selected family's code at any other path (see
-    :mod:`gradpatch.scan`; default: ``GRADPATCH_SCAN``, on).
+    :mod:`gradpatch.patching.scan`; default: ``GRADPATCH_SCAN``, on).
 
     Targets already imported are patched at once, and module globals still holding an original
     object are rebound (and reported); the others are patched the moment they are imported, and
@@ -228,14 +230,14 @@ def _apply(names: tuple, exclude: object, env: environment.Environment, scan: bo
         for patch in selected:
             if patch.name not in _wanted:
                 _start(patch)
-        from gradpatch import scan as scanning
+        from gradpatch.patching import scan as scanning
 
         found = scanning.start(env.scan if scan is None else bool(scan))
         return Report([_records[p.name] for p in selected + excluded if p.name in _records] + found)
 
 
 def adopt(patches: Iterable[Patch], module: ModuleType, *, late: bool, fixes: frozenset[str]) -> list[Record]:
-    """Apply ``patches`` that :mod:`gradpatch.scan` built for a family copy found in ``module``, an
+    """Apply ``patches`` that :mod:`gradpatch.patching.scan` built for a family copy found in ``module``, an
     undeclared path, while a wanted patch uses one of the family's ``fixes``. They join this
     process's catalogue, so report(), revert() and apply() treat them as declared patches."""
     with _lock:

@@ -1,7 +1,7 @@
 """The ``budget:<size>`` checkpoint policy: measure each checkpointed block, then keep the ones that
 save the most time within the budget.
 
-A block is a module's method passed to :func:`gradpatch.fixes.checkpoint.checkpoint` with
+A block is a module's method passed to :func:`gradpatch.checkpointing.checkpoint.checkpoint` with
 ``flag=True`` (upstream's ``checkpoint(self._forward, inputs, self.parameters(), flag)``), at given
 input shapes, dtypes, devices and autocast state. Blocks the caller does not ask to checkpoint
 (``flag=False``) run directly, as under ``respect``; so do all blocks under ``no_grad``.
@@ -18,7 +18,7 @@ synchronisation otherwise): the recompute in backward, and the checkpoint's forw
 
 **Plan.** A block is a knapsack item per input signature. Once every block called since the last
 new one appeared has been measured (normally after the first :data:`TIMING_CALLS` training steps),
-a 0/1 knapsack (:func:`gradpatch.budget.choose`) picks the blocks to keep (run without recompute):
+a 0/1 knapsack (:func:`gradpatch.checkpointing.plan.choose`) picks the blocks to keep (run without recompute):
 the most seconds saved with at most ``<size>`` bytes kept. Kept blocks run ``func(*inputs)``
 directly, exactly as under ``never``. New shapes (batch size, resolution) make new blocks, which are
 checkpointed and measured; blocks not called since drop out of the next plan, solved once the new
@@ -43,11 +43,11 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from gradpatch import budget
-from gradpatch.budget import Plan, PlanEntry
-from gradpatch.fixes._compat import autocast_enabled, is_compiling
-from gradpatch.fixes._budget_measure import _Measured, measure
-from gradpatch.fixes.checkpoint import _checkpoint
+from gradpatch.checkpointing import plan as budget
+from gradpatch.checkpointing.plan import Plan, PlanEntry
+from gradpatch.checkpointing._compat import autocast_enabled, is_compiling
+from gradpatch.checkpointing._measure import _Measured, measure
+from gradpatch.checkpointing._paths import run as _checkpoint
 
 __all__ = ["checkpoint_plan", "Plan", "PlanEntry", "reset"]
 

@@ -2,7 +2,7 @@
 
 The declared patches name module paths, but the OpenAI/CompVis checkpoint lives on under hundreds of
 other names (``audiosr.latent_diffusion.modules.diffusionmodules.util``, ``myproject/models/util.py``).
-While the scan is on, every imported module that defines a member of a :class:`~gradpatch.families.Family`
+While the scan is on, every imported module that defines a member of a :class:`~gradpatch.patching.families.Family`
 is identified by fingerprint, and a known version is patched like a declared path, with the same
 fixes, rebinding and report entries (named after the module where the copy was found).
 
@@ -50,7 +50,7 @@ def start(scan: bool) -> list[Any]:
     if not enabled:
         return []
     if not _families:
-        from gradpatch import catalogue
+        from gradpatch.patching import catalogue
 
         package = catalogue._builtin_package()
         _families.extend(__import__(f"{package.__name__}._families", fromlist=["FAMILIES"]).FAMILIES)
@@ -85,7 +85,7 @@ def _imported(module: ModuleType, late: bool = False) -> list[Any]:
 
 
 def _examine(module: ModuleType, namespace: dict, late: bool) -> list[Any]:
-    from gradpatch import activation
+    from gradpatch.patching import activation
 
     name = namespace.get("__name__")
     if not isinstance(name, str) or name.partition(".")[0] == "gradpatch":
@@ -109,7 +109,7 @@ def _examine(module: ModuleType, namespace: dict, late: bool) -> list[Any]:
 def _group(module: ModuleType, namespace: dict, family: Any) -> tuple[str, ...]:
     """The set of names to identify ``module``'s copy by: the largest it defines whose fingerprint
     is known, else the largest it defines (which is then reported as unknown)."""
-    from gradpatch.fingerprint import Fingerprints
+    from gradpatch.patching.fingerprint import Fingerprints
 
     objects = tuple(namespace.get(name) for name in family.names)
     key = tuple(id(getattr(obj, "__code__", obj)) for obj in objects)

@@ -1,71 +1,18 @@
-"""The ``budget:<size>`` checkpoint policy: parsing it, and choosing which blocks to keep.
+"""The ``budget:<size>`` checkpoint policy: choosing which blocks to keep.
 
-Torch-free (``gradpatch.settings`` and ``gradpatch.environment`` validate policies at start-up):
-size parsing, the knapsack, and the :class:`Plan` that :func:`gradpatch.checkpoint_plan` returns.
-The measurement and the per-call dispatch live in :mod:`gradpatch.fixes.checkpoint_budget`.
-
-``<size>`` is a number of bytes with an optional unit: ``B``; decimal ``kB``, ``MB``, ``GB``, ``TB``
-(powers of 1000); binary ``KiB``, ``MiB``, ``GiB``, ``TiB`` (powers of 1024). Units are
-case-insensitive, since ``GRADPATCH_CHECKPOINT`` is read lower-cased; the number may be a decimal or
-in exponent form (``1.5e9``, ``0.5GiB``). Fractions of a byte are dropped.
+Torch-free: the knapsack, and the :class:`Plan` that :func:`gradpatch.checkpoint_plan` returns. The
+size is parsed and validated by :mod:`gradpatch.settings` (at start-up too); the measurement and the
+per-call dispatch live in :mod:`gradpatch.checkpointing.budget`.
 """
 from __future__ import annotations
 
-import functools
-import re
 from typing import NamedTuple, Sequence
 
-PREFIX = "budget:"
-EXAMPLE = "budget:512MiB"
-
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-_SIZE = re.compile(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*", re.IGNORECASE)
+from gradpatch.settings import EXAMPLE, PREFIX, budget_bytes, is_budget, parse_size  # noqa: F401 (the policy's size)
 
 #: Byte resolution of the fallback knapsack: item sizes are rounded up to budget / _STEPS, so a plan
 #: never exceeds its budget and forgoes at most (number of blocks) / _STEPS of it.
 _STEPS = 4096
-
-
-def is_budget(policy: str) -> bool:
-    return policy[:len(PREFIX)].lower() == PREFIX
-
-
-@functools.lru_cache(maxsize=64)
-def parse_size(text: str) -> int:
-    """Bytes meant by ``text`` (``"512MiB"``, ``"2GB"``, ``"1.5e9"``); ``ValueError`` with the reason
-    and the accepted forms otherwise."""
-    match = _SIZE.fullmatch(text)
-    unit = match.group(2).lower() if match else None
-    if match is None or unit not in _UNITS:
-        raise ValueError(f"{text!r} is not a size: write bytes with an optional unit (B, kB, MB, GB, "
-                         f"KiB, MiB, GiB), as in {EXAMPLE}, budget:2GB or budget:1.5e9")
-    value = float(match.group(1)) * _UNITS[unit]
-    if value >= 2**63:
-        raise ValueError(f"{text!r} is too large a size; at most 8 EiB")
-    return int(value)
-
-
-def budget_bytes(policy: str) -> int:
-    """The size in a ``budget:<size>`` policy."""
-    return parse_size(policy[len(PREFIX):])
-
-
-def check_policy(policy: object, choices: Sequence[str]) -> str:
-    """``policy``, stripped, if it is one of ``choices`` or a valid ``budget:<size>``; otherwise
-    ``ValueError`` saying what is accepted."""
-    if isinstance(policy, str):
-        text = policy.strip()
-        if text in choices:
-            return text
-        if is_budget(text):
-            try:
-                budget_bytes(text)
-            except ValueError as error:
-                raise ValueError(f"checkpoint policy {policy!r}: {error}") from None
-            return PREFIX + text[len(PREFIX):].strip()
-    raise ValueError(f"unknown checkpoint policy {policy!r}; use one of {', '.join(choices)} "
-                     f"or budget:<size> ({EXAMPLE})")
 
 
 class Item(NamedTuple):
@@ -192,18 +139,3 @@ class Plan(tuple):  # type: ignore[type-arg]
 
 def _mib(size: int) -> str:
     return f"{size / 2**20:.2f} MiB"
-
-
-def report_line() -> str:
-    """One line on the budget plan for :class:`gradpatch.Report`, or ``""`` under another policy."""
-    import sys
-
-    from gradpatch import settings
-
-    policy = settings.checkpoint_policy
-    if not is_budget(policy):
-        return ""
-    planner = sys.modules.get("gradpatch.fixes.checkpoint_budget")
-    if planner is None:
-        return f"checkpoint policy {policy}: no checkpointed block has run yet"
-    return planner.checkpoint_plan().summary()

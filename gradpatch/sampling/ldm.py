@@ -4,14 +4,14 @@ AudioSR, ...): ``DDIMSampler``, ``PLMSSampler``, ``DPMSolverSampler``, ``DDPM``/
 These codebases decorate nearly every method of a sampling call with ``@torch.no_grad()``: the public
 entry point (``DDIMSampler.sample``), the loop it calls (``ddim_sampling``), the step (``p_sample_ddim``)
 and the decoder (``decode_first_stage``). The fixes here are declared per method in ``patches/``, each
-method recognised by its own fingerprint; a target is one :class:`~gradpatch.registry.Patch` naming
+method recognised by its own fingerprint; a target is one :class:`~gradpatch.patching.registry.Patch` naming
 one of these factories:
 
 ``entry`` (public entry points: ``DDIMSampler.sample``/``decode``/``stochastic_encode``,
 ``LatentDiffusion.sample``/``p_sample_loop``/``sample_log``/``decode_first_stage``/...)
     Adds keyword-only ``cache: bool = True``, ``grad_steps=None``, ``checkpoint_steps=False``.
     ``cache=True`` calls the original decorated method: upstream's call, bitwise the same outputs.
-    ``cache=False`` runs the undecorated body under :func:`gradpatch.fixes.sampling.differentiable`:
+    ``cache=False`` runs the undecorated body under :func:`gradpatch.sampling.runner.differentiable`:
     grad on (also under an outer ``no_grad``), the diffusion model's ``eval()`` a no-op (modes as the
     caller set them). While it runs, every method declared ``inner``/``step_*`` runs its undecorated
     body too, and an entry point reached from the body *without* ``cache=`` (``sample_log`` creating a
@@ -21,8 +21,8 @@ one of these factories:
     when ``grad_steps``/``checkpoint_steps`` were asked for but no denoiser evaluation went through them.
 ``lifted_entry``
     ``entry`` for a method whose body holds ``with torch.no_grad():`` (audioldm2's
-    ``decode_first_stage``): ``cache=False`` runs :func:`gradpatch.lift.lift_no_grad`'s copy. Recognise
-    it with :class:`gradpatch.lift.Liftable` so a source that cannot be lifted is skipped and reported.
+    ``decode_first_stage``): ``cache=False`` runs :func:`gradpatch.sampling.lift.lift_no_grad`'s copy. Recognise
+    it with :class:`gradpatch.sampling.lift.Liftable` so a source that cannot be lifted is skipped and reported.
 ``inner`` (``ddim_sampling``, ``plms_sampling``, ``get_input``, ...)
     The original, except inside a ``cache=False`` call with grad enabled, where the undecorated body.
 ``step_by_index`` / ``step_by_timestep`` (``p_sample_ddim``, ``p_sample_plms``; ``p_sample``)
@@ -31,7 +31,7 @@ one of these factories:
     ``index`` argument for DDIM/PLMS (upstream passes ``total_steps - i - 1``, whatever S+1 count its
     schedule produced), the ``t`` argument for ancestral sampling (``reversed(range(T))``).
 ``refuse_cache_false``, ``guard_ema_scope``, ``buffers_follow_model``
-    In :mod:`gradpatch.fixes.ldm_guards`: ``generate_sample*`` refuse ``cache=False``; EMA weight
+    In :mod:`gradpatch.sampling.ldm_guards`: ``generate_sample*`` refuse ``cache=False``; EMA weight
     swaps and ``cache=False`` graphs exclude each other; sampler buffers follow the model's device.
 ``step_factory``, ``at_step``
     For step boundaries with other signatures (a fix module defines ``my_step = step_factory(...)``).
@@ -39,7 +39,7 @@ one of these factories:
 Memory options. With ``grad_steps``/``checkpoint_steps``, for the duration of the call, the model's
 ``apply_model`` (``model.model.forward`` for a pixel-space ``DDPM`` without one) is shadowed on the
 instance, in the caller's context only, so that each evaluation made inside a step goes through
-:func:`gradpatch.fixes.sampling.run_step`: ``grad_steps=K`` runs the evaluations of every step with
+:func:`gradpatch.sampling.runner.run_step`: ``grad_steps=K`` runs the evaluations of every step with
 K or more steps left under ``no_grad`` (the last K build the graph); ``checkpoint_steps=True``
 recomputes each evaluation in backward. Only the network evaluation is inside the recomputed region:
 the update of ``x``, PLMS's ``old_eps``, classifier-free guidance's combination and the schedules
@@ -58,8 +58,8 @@ from typing import Any, Callable, Iterator
 import torch
 
 from gradpatch.errors import NotDifferentiableError
-from gradpatch.fixes.diffusers import no_grad_body
-from gradpatch.fixes.sampling import (SamplingOptions, SamplingRun, _current, _shadow, _with_keywords,
+from gradpatch.sampling.diffusers import no_grad_body
+from gradpatch.sampling.runner import (SamplingOptions, SamplingRun, _current, _shadow, _with_keywords,
                                       check_keywords, differentiable, run_step, sampling_options,
                                       swallowed_keywords)
 
@@ -71,6 +71,14 @@ _steps_left: ContextVar[Callable[[], int] | None] = ContextVar("gradpatch_ldm_st
 _lock = threading.Lock()
 _sampling: dict[int, int] = {}
 _in_ema: dict[int, int] = {}
+
+EMA_MESSAGE = (
+    "{what} while {model}.ema_scope() is active: ema_scope swaps the EMA weights in with .data.copy_ "
+    "and copies the live ones back on exit, so a graph built inside it and backpropagated after it "
+    "(or built outside and backpropagated inside) gets wrong gradients with no error. Sample with "
+    "cache=False outside ema_scope (the live weights); to differentiate through the EMA weights, copy "
+    "them into a model of their own: ema = copy.deepcopy(model); model.model_ema.copy_to(ema.model)."
+)
 
 
 def _active() -> SamplingRun | None:
@@ -161,8 +169,6 @@ def _current_call(run: SamplingRun) -> Iterator[None]:
 def _differentiable_call(owner: Any, name: str, options: SamplingOptions) -> Iterator[SamplingRun]:
     model = _diffusion_model(owner)
     if model is not None and id(model) in _in_ema:
-        from gradpatch.fixes.ldm_guards import EMA_MESSAGE
-
         raise RuntimeError(EMA_MESSAGE.format(what=f"{type(owner).__name__}.{name}(cache=False)",
                                               model=type(model).__name__))
     for obj in {id(owner): owner, id(model): model}.values():
@@ -223,7 +229,7 @@ def entry(original: Callable[..., Any]) -> Callable[..., Any]:
 def lifted_entry(original: Callable[..., Any]) -> Callable[..., Any]:
     """Fix factory: an entry point whose body has an in-body ``with torch.no_grad():``; ``cache=False``
     runs the lifted copy (decorators, if any, are not re-applied: the copy is the undecorated body)."""
-    from gradpatch.lift import lift_no_grad
+    from gradpatch.sampling.lift import lift_no_grad
 
     return _entry(original, lift_no_grad(original))
 

@@ -3,10 +3,10 @@
 k-diffusion's ``k_diffusion.sampling.sample_*`` (and the copy stable-audio-tools vendors) and
 stable-audio-tools' own samplers take the denoiser as their first argument, ``model``, and step through
 a schedule in one loop, ``for i in trange(len(sigmas) - 1)`` (or ``tqdm(...)``). The fix gives each
-one the interface of :mod:`gradpatch.fixes.sampling`, keyword-only:
+one the interface of :mod:`gradpatch.sampling.runner`, keyword-only:
 
 * ``cache=True`` (default): the original function, called as it is (no graph, bitwise-equal output).
-* ``cache=False``: the undecorated body inside :func:`~gradpatch.fixes.sampling.differentiable`
+* ``cache=False``: the undecorated body inside :func:`~gradpatch.sampling.runner.differentiable`
   (gradients on, also under an outer ``no_grad``; ``inference_mode`` refused). Gradients reach the
   denoiser's parameters and every differentiable input (``x``, tensors in ``extra_args``). The
   caller's train/eval modes are kept: these samplers never call ``eval()``.
@@ -17,7 +17,7 @@ one the interface of :mod:`gradpatch.fixes.sampling`, keyword-only:
 * ``checkpoint_steps=True``: each denoiser evaluation is recomputed in backward instead of stored.
 
 How the step is known. For a call with ``grad_steps``, the ``model`` argument is replaced by a wrapper
-that runs each evaluation through :func:`~gradpatch.fixes.sampling.run_step`, and the progress-bar
+that runs each evaluation through :func:`~gradpatch.sampling.runner.run_step`, and the progress-bar
 globals of the sampler's module (``trange``, ``tqdm``) are shadowed, for the call and in the caller's
 context only, by versions that record the loop index as the loop runs and the loop's length when it
 starts (a ``zip`` with no length is read into a list first). Matching sigma values would misattribute
@@ -51,7 +51,7 @@ from typing import Any, Callable, Iterator, TypeVar
 
 import torch
 
-from gradpatch.fixes.sampling import (SamplingOptions, _shadow, _with_keywords, active_options, check_keywords,
+from gradpatch.sampling.runner import (SamplingOptions, _shadow, _with_keywords, active_options, check_keywords,
                                       differentiable, run_step, sampling_options, swallowed_keywords)
 
 T = TypeVar("T")

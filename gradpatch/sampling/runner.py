@@ -50,7 +50,7 @@ from typing import Any, Callable, ContextManager, Iterator, TypeVar
 import torch
 import torch.utils.checkpoint
 
-from gradpatch.fixes.options import (OPTIONS, SamplingOptions, check_flag, check_keywords,  # noqa: F401
+from gradpatch.sampling.options import (OPTIONS, SamplingOptions, check_flag, check_keywords,  # noqa: F401
                                      sampling_options, swallowed_keywords)
 
 T = TypeVar("T")

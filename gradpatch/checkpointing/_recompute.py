@@ -53,8 +53,8 @@ import torch
 from torch import Tensor
 from torch.overrides import has_torch_function
 
-from gradpatch.fixes._compat import autocast_dtype, autocast_enabled, engine_grad, sequence_nr
-from gradpatch.fixes._graph_path import parameters_as
+from gradpatch.checkpointing._compat import autocast_dtype, autocast_enabled, engine_grad, sequence_nr
+from gradpatch.checkpointing._graph_path import parameters_as
 
 _PLAIN = (Tensor, type(None), bool, int, float, str)  # what a fast-path output tuple may hold
 _ACCUMULATE_GRAD = type(torch.ones(1, requires_grad=True).mul(1).grad_fn.next_functions[0][0])

@@ -21,8 +21,8 @@ function, i.e. the file and first line the code records), and is used only if co
 gives back the loaded code: the same instructions, names, variables and constants, nested code
 objects included (the method-call sequence, which differs between 3.11 micro releases, is
 normalised). A file edited after import and a ``.pyc`` without its source are refused. :class:`Liftable`, a recogniser for
-:class:`gradpatch.registry.Patch`, fingerprints that same source (the hash
-``python -m gradpatch.fingerprint FILE Class.method`` prints) and reports anything else as unknown
+:class:`gradpatch.patching.registry.Patch`, fingerprints that same source (the hash
+``python -m gradpatch.patching.fingerprint FILE Class.method`` prints) and reports anything else as unknown
 code, so the engine skips it with an :class:`~gradpatch.errors.UnknownCodeWarning` and records it like
 every other patch. Grad-mode managers are recognised through the module's imports (``torch.no_grad``,
 ``th.no_grad``, ``from torch import no_grad``; ``torch.inference_mode()`` or ``(True)``); calls of
@@ -39,7 +39,7 @@ import sys
 from types import CodeType, FunctionType, ModuleType
 from typing import Any, Callable, Mapping, NamedTuple
 
-from gradpatch.fingerprint import Identity, fingerprint_source
+from gradpatch.patching.fingerprint import Identity, fingerprint_source
 
 GRAD_OFF = frozenset({"torch.no_grad", "torch.autograd.no_grad", "torch.autograd.grad_mode.no_grad",
                       "torch.inference_mode", "torch.autograd.inference_mode",
@@ -225,7 +225,7 @@ class _Lifter(ast.NodeTransformer):
 
 def function_fingerprint(fn: object) -> str:
     """The fingerprint of ``fn``'s definition as its code object's source gives it (decorators
-    included; import aliases of its module applied): the same hash ``python -m gradpatch.fingerprint``
+    included; import aliases of its module applied): the same hash ``python -m gradpatch.patching.fingerprint``
     prints for that definition in that file. Raises :class:`LiftError` if there is no such source."""
     parsed = _parse(fn)
     return fingerprint_source(f"{parsed.imports}\n{ast.unparse(parsed.node)}\n", [parsed.node.name])
@@ -267,7 +267,7 @@ def lift_no_grad(fn: object) -> FunctionType:
 class Liftable(NamedTuple):
     """Recognise a function whose in-body ``no_grad`` a fix lifts with :func:`lift_no_grad`.
 
-    Like :class:`~gradpatch.fingerprint.Fingerprints`, but the fingerprint is that of the source the
+    Like :class:`~gradpatch.patching.fingerprint.Fingerprints`, but the fingerprint is that of the source the
     function's code object points at (:func:`function_fingerprint`), and a known function is reported
     as unknown code when it cannot be lifted (no source, source edited since import, nothing to
     lift), so the engine skips it with a warning and records why. ``fixed_if`` as for ``Fingerprints``.

@@ -4,7 +4,7 @@ FSDP2 (``fully_shard``), FSDP1 (``FullyShardedDataParallel``) and DeepSpeed ZeRO
 parameters in hooks around that module's own forward, release them after it, and tie their backward
 work (gathering again, reducing the gradients, releasing) to hooks and nodes on the graph that forward
 builds. A module they manage *inside* a checkpointed call therefore needs its backward to run through
-the graph its forward built, in order: the fast path (:mod:`gradpatch.fixes._recompute`) drops that
+the graph its forward built, in order: the fast path (:mod:`gradpatch.checkpointing._recompute`) drops that
 graph and produces the gradients later, in its own node's backward, after the engine has reduced
 (FSDP2: reduce-scatter ran before the recompute, leaving gradients missing and stale) or while the
 parameters are released (ZeRO-3: a full-size gradient for an empty partition). Such a call takes the

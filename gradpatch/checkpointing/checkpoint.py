@@ -8,7 +8,7 @@ backward twice, runs ``func`` under ``no_grad`` in the forward but not in the re
 every output require grad. Here gradients equal those of ``func(*inputs)`` without checkpointing,
 by one of two paths per call.
 
-**Fast path** (``gradpatch.fixes._recompute``; every upstream call in practice). ``func`` runs as
+**Fast path** (``gradpatch.checkpointing._recompute``; every upstream call in practice). ``func`` runs as
 the caller would run it, building its graph; the graph tells which leaves the outputs depend on
 (declared or not: closures, hooks, LoRA modules that are not children) and is then dropped. One
 autograd node takes the input tensors and those leaves; backward replays CPU/CUDA RNG and autocast
@@ -19,7 +19,7 @@ Under ``create_graph=True`` it recomputes from views of the saved inputs, keepin
 connected, and notes where the parameters live, so later passes (MAML's outer backward) recompute
 with them even if fast weights were swapped into the modules since.
 
-**Graph path** (``gradpatch.fixes._graph_path``): torch's non-reentrant checkpoint, for calls that
+**Graph path** (``gradpatch.checkpointing._graph_path``): torch's non-reentrant checkpoint, for calls that
 read a non-leaf tensor they were not given (fast weights under ``functional_call`` or swapped into
 modules, DataParallel replicas, closure tensors computed beforehand), return an input or a view of
 one (which the caller may modify in place), return something other than a tensor or a flat tuple,
@@ -28,8 +28,8 @@ and its function (per module and method, or per code object) goes straight to th
 on. Its recompute puts the forward's parameters back into the module first. Calls with modules
 inside that a sharding engine manages (FSDP2 ``fully_shard``, FSDP1 ``FullyShardedDataParallel``,
 DeepSpeed ZeRO-3 parameters) take this path from their first call, without that rebinding: the
-engine's hooks must see the recompute inside the autograd graph, as they do with torch's
-checkpoint (``gradpatch.fixes._sharding``). A block that is itself the engine's unit, or is wrapped
+engine's hooks must see the recompute inside the autograd graph, as they do with torch's checkpoint
+(``gradpatch.checkpointing._sharding``). A block that is itself the engine's unit, or is wrapped
 from outside (DDP, ZeRO-1/2), keeps the fast path.
 
 Trade-off: the fast path does upstream's work plus the forward's graph, which a forward must build
@@ -46,26 +46,17 @@ from __future__ import annotations
 import functools
 import importlib
 import types
-import weakref
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 from torch import Tensor
 
 from gradpatch import settings
-from gradpatch.fixes._compat import is_compiling
-from gradpatch.fixes._graph_path import graph_path as _graph_path
-from gradpatch.fixes._recompute import ESCAPED, attempt
-from gradpatch.fixes._sharding import sharded_inside
+from gradpatch.checkpointing._paths import run as _checkpoint
 
 __all__ = ["checkpoint", "CheckpointFunction", "mixed_checkpoint", "non_reentrant",
            "replace_checkpoint", "replace_checkpoint_function", "replace_mixed_checkpoint",
            "replace_torch_checkpoint"]
-
-# Functions that took the graph path once: module -> {function}, or code object -> {None}. Weak
-# keys: a module or code object that goes away takes its entry with it; nothing else is held.
-_ESCAPED: weakref.WeakKeyDictionary[Any, set] = weakref.WeakKeyDictionary()
-
 
 def checkpoint(func: Callable[..., Any], inputs: Sequence[Any], params: Iterable[Tensor] = (),
                flag: bool = True) -> Any:
@@ -83,7 +74,7 @@ def checkpoint(func: Callable[..., Any], inputs: Sequence[Any], params: Iterable
         flag: the caller's wish to recompute. ``settings.checkpoint_policy``, read at each call,
             decides: ``"respect"`` recomputes iff ``flag``, ``"always"`` always, ``"never"`` never,
             ``"budget:<size>"`` where ``flag`` and the plan of
-            :mod:`gradpatch.fixes.checkpoint_budget` say so.
+            :mod:`gradpatch.checkpointing.budget` say so.
 
     Returns:
         What ``func`` returns. Without recomputation (policy, ``flag``, or grad mode off, as under
@@ -95,7 +86,7 @@ def checkpoint(func: Callable[..., Any], inputs: Sequence[Any], params: Iterable
     if policy == "never" or not (flag or policy == "always") or not torch.is_grad_enabled():
         return func(*inputs)
     if policy[0] == "b":  # "budget:<size>"
-        from gradpatch.fixes import checkpoint_budget
+        from gradpatch.checkpointing import budget as checkpoint_budget
 
         return checkpoint_budget.run(func, tuple(inputs), None, policy)
     return _checkpoint(func, tuple(inputs), None)
@@ -119,7 +110,7 @@ def mixed_checkpoint(func: Callable[..., Any], inputs: Mapping[str, Any],
     if policy == "never" or not (flag or policy == "always") or not torch.is_grad_enabled():
         return func(**inputs)
     if policy[0] == "b":  # "budget:<size>"
-        from gradpatch.fixes import checkpoint_budget
+        from gradpatch.checkpointing import budget as checkpoint_budget
 
         return checkpoint_budget.run(func, (), dict(inputs), policy)
     return _checkpoint(func, (), dict(inputs))
@@ -206,35 +197,3 @@ class _Upstream:
 
 
 _upstream = _Upstream()
-
-
-def _checkpoint(func: Callable[..., Any], args: tuple, kwargs: dict | None) -> Any:
-    if is_compiling():
-        return _graph_path(func, args, kwargs)
-    owner, tag = _escape_key(func)
-    if isinstance(owner, torch.nn.Module) and owner.__dict__.get("_is_replica"):
-        return _graph_path(func, args, kwargs)  # DataParallel: parameters computed in another thread
-    if sharded_inside(func):  # FSDP2/FSDP1/ZeRO-3 hooks inside: recompute within the graph
-        return _graph_path(func, args, kwargs, rebind=False)
-    try:
-        escaped = tag in _ESCAPED.get(owner, ())
-    except TypeError:  # not weak-referenceable: nothing is remembered
-        escaped = False
-    if not escaped:
-        out = attempt(func, args, kwargs)
-        if out is not ESCAPED:
-            return out
-        try:
-            _ESCAPED.setdefault(owner, set()).add(tag)
-        except TypeError:
-            pass
-    return _graph_path(func, args, kwargs)
-
-
-def _escape_key(func: Callable[..., Any]) -> tuple[Any, Any]:
-    """(module, function) for methods of modules (upstream's ``self._forward``); otherwise (code or
-    callable, None): closures of one code may differ, and the graph path is right for all."""
-    owner = getattr(func, "__self__", None)
-    if isinstance(owner, torch.nn.Module) and hasattr(func, "__func__"):
-        return owner, func.__func__
-    return getattr(func, "__code__", func), None

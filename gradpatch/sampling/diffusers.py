@@ -4,7 +4,7 @@ Installing walks ``DiffusionPipeline``'s subclasses and gives it an ``__init_sub
 defined later (lazily imported, community, your own) are patched when created. A class whose *own*
 ``__call__`` is ``@torch.no_grad()`` (recognised by the code object of torch's decorator and the
 ``no_grad`` in its closure, not by name) gets a ``__call__`` that also takes, keyword-only,
-``cache: bool = True``, ``grad_steps``, ``checkpoint_steps`` (see :mod:`gradpatch.fixes.sampling`):
+``cache: bool = True``, ``grad_steps``, ``checkpoint_steps`` (see :mod:`gradpatch.sampling.runner`):
 
 * ``cache=True`` calls the original object: same code path, bitwise-equal outputs.
 * ``cache=False`` runs the undecorated body with gradients on. ``output_type`` must be ``"pt"`` or
@@ -18,10 +18,10 @@ defined later (lazily imported, community, your own) are patched when created. A
   A sub-pipeline or ``super().__call__`` reached from the body without ``cache=`` continues the graph.
 * ``grad_steps``/``checkpoint_steps``: for the call, the ``forward`` of each denoiser component (named
   ``unet``, ``transformer``, ``prior``, ``controlnet``, optionally ``_<n>``) is wrapped so each
-  evaluation goes through :func:`~gradpatch.fixes.sampling.run_step` (no such component: an error,
+  evaluation goes through :func:`~gradpatch.sampling.runner.run_step` (no such component: an error,
   not a silent no-op); ``scheduler.step`` is never inside a checkpoint. Wrappers live on the
   instances for the call: one pipeline instance must not run two such calls concurrently. How a
-  call's step is located: :mod:`gradpatch.fixes.diffusers_run`.
+  call's step is located: :mod:`gradpatch.sampling.diffusers_run`.
 
 Left alone unless ``cache=False`` is asked for (then :class:`NotDifferentiableError`): ONNX pipelines,
 classes whose own ``__call__`` is not ``no_grad``-decorated, and cache hooks that rewired the model
@@ -39,9 +39,9 @@ from typing import Any, Callable
 import torch
 
 from gradpatch.errors import NotDifferentiableError, RevertWarning, complain
-from gradpatch.fixes.diffusers_run import differentiable_run, in_call, inside
-from gradpatch.fixes.options import check_flag, check_keywords, sampling_options, swallowed_keywords
-from gradpatch.fixes.sampling import active_options
+from gradpatch.sampling.diffusers_run import differentiable_run, in_call, inside
+from gradpatch.sampling.options import check_flag, check_keywords, sampling_options, swallowed_keywords
+from gradpatch.sampling.runner import active_options
 
 __all__ = ["NotDifferentiableError", "guard_modular_call", "no_grad_body", "patch_pipeline_hierarchy"]
 

@@ -1,4 +1,4 @@
-"""Guards around the latent-diffusion family's sampling fixes (see :mod:`gradpatch.fixes.ldm_sampling`):
+"""Guards around the latent-diffusion family's sampling fixes (see :mod:`gradpatch.sampling.ldm`):
 calls that cannot give gradients refuse ``cache=False`` with what to do instead, EMA weight swaps and
 ``cache=False`` graphs exclude each other, and sampler buffers follow the model's device.
 """
@@ -11,15 +11,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from gradpatch.errors import NotDifferentiableError
-from gradpatch.fixes.ldm_sampling import _active, _counted, _in_ema, _sampling
-
-EMA_MESSAGE = (
-    "{what} while {model}.ema_scope() is active: ema_scope swaps the EMA weights in with .data.copy_ "
-    "and copies the live ones back on exit, so a graph built inside it and backpropagated after it "
-    "(or built outside and backpropagated inside) gets wrong gradients with no error. Sample with "
-    "cache=False outside ema_scope (the live weights); to differentiate through the EMA weights, copy "
-    "them into a model of their own: ema = copy.deepcopy(model); model.model_ema.copy_to(ema.model)."
-)
+from gradpatch.sampling.ldm import EMA_MESSAGE, _active, _counted, _in_ema, _sampling
 
 
 def refuse_cache_false(original: Callable[..., Any]) -> Callable[..., Any]:

@@ -1,4 +1,4 @@
-"""Finding every declared :class:`~gradpatch.registry.Patch`.
+"""Finding every declared :class:`~gradpatch.patching.registry.Patch`.
 
 The built-in catalogue is the package ``gradpatch.patches`` (the top-level ``patches/`` folder of the
 source tree, shipped inside the wheel): each of its modules named in ``MODULES`` exposes a list
@@ -16,7 +16,7 @@ from pathlib import Path
 from types import ModuleType
 
 from gradpatch.errors import ConfigWarning, complain
-from gradpatch.registry import Patch
+from gradpatch.patching.registry import Patch
 
 ENTRY_POINT_GROUP = "gradpatch.patches"
 
@@ -27,7 +27,7 @@ def _builtin_package() -> ModuleType:
     except ModuleNotFoundError:
         pass
     # A source checkout or an editable install: the catalogue sits beside the package.
-    root = Path(__file__).resolve().parent.parent / "patches"
+    root = Path(__file__).resolve().parents[2] / "patches"
     spec = importlib.util.spec_from_file_location(
         "gradpatch.patches", root / "__init__.py", submodule_search_locations=[str(root)]
     )

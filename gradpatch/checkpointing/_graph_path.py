@@ -20,7 +20,7 @@ from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 def graph_path(func: Callable[..., Any], args: tuple, kwargs: dict | None, rebind: bool = True) -> Any:
     """``func(*args, **kwargs)`` under torch's non-reentrant checkpoint, recomputing with the
     parameters its module holds now (see :func:`rebinding`), or with ``rebind=False`` with those it
-    holds at the recompute (a sharding engine's, see :mod:`gradpatch.fixes._sharding`)."""
+    holds at the recompute (a sharding engine's, see :mod:`gradpatch.checkpointing._sharding`)."""
     return _torch_checkpoint(rebinding(func) if rebind else func, *args, use_reentrant=False,
                              **(kwargs or {}))
 

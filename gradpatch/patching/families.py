@@ -4,7 +4,7 @@ A :class:`Family` is declared once (``patches/_families.py``): the definition na
 by, what each member looks like (its *shape*), the fingerprints of every known version of the
 definitions hashed together, and the fix of each member. The same declaration builds the patches
 of the paths a codebase is known to use (:meth:`Family.patches`, with their provenance and version
-ranges) and is what :mod:`gradpatch.scan` looks for in every other imported module.
+ranges) and is what :mod:`gradpatch.patching.scan` looks for in every other imported module.
 
 A shape tells a member from unrelated code that happens to use the same name:
 ``torch.utils.checkpoint`` defines ``checkpoint`` and ``CheckpointFunction`` too, with other
@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from typing import Mapping, NamedTuple, Sequence
 
-from gradpatch.fingerprint import Fingerprints
-from gradpatch.registry import Patch
+from gradpatch.patching.fingerprint import Fingerprints
+from gradpatch.patching.registry import Patch
 
 _VARARGS = 0x04  # inspect.CO_VARARGS
 
@@ -58,7 +58,7 @@ class AutogradFunctionShape(NamedTuple):
 
 class Member(NamedTuple):
     """One definition of a family: its ``name``, its ``shape``, and ``fix`` (``"module:factory"``,
-    as in :class:`~gradpatch.registry.Patch`), or None for a definition that is hashed with the
+    as in :class:`~gradpatch.patching.registry.Patch`), or None for a definition that is hashed with the
     others but never replaced (its callers are). ``marks_copy``: a module defining this member
     alone, in its shape, holds a copy (e.g. ``CheckpointFunction`` whose ``checkpoint`` was rebound);
     otherwise a module holds one when it defines every member of a fingerprinted set."""

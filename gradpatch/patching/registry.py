@@ -2,15 +2,18 @@
 
 A :class:`Patch` is data: which attribute of which module it replaces, how to recognise the broken code
 there, which fix builds the replacement, and which distribution versions it expects. The catalogue in
-``gradpatch.patches`` is a list of these; the engine (:mod:`gradpatch.activation`, :mod:`gradpatch.hooks`)
+``gradpatch.patches`` is a list of these; the engine (:mod:`gradpatch.patching.activation`, :mod:`gradpatch.patching.hooks`)
 does the rest. A :class:`Record` says what happened to one patch in this process.
 """
 from __future__ import annotations
 
 import enum
+import sys
 from typing import NamedTuple
 
-from gradpatch.fingerprint import Recogniser
+from gradpatch import settings
+
+from gradpatch.patching.fingerprint import Recogniser
 
 
 class Status(str, enum.Enum):
@@ -137,6 +140,18 @@ def _importable(module: str) -> bool:
         return False
 
 
+def report_line() -> str:
+    """One line on the ``budget:<size>`` plan for :class:`Report`, or ``""`` under another policy. The
+    planner is asked only if something has loaded it: reporting never imports torch."""
+    policy = settings.checkpoint_policy
+    if not settings.is_budget(policy):
+        return ""
+    planner = sys.modules.get("gradpatch.checkpointing.budget")
+    if planner is None:
+        return f"checkpoint policy {policy}: no checkpointed block has run yet"
+    return planner.checkpoint_plan().summary()
+
+
 class Report(tuple):  # type: ignore[type-arg]
     """A tuple of :class:`Record` that prints as a table (:meth:`table`)."""
 
@@ -150,8 +165,6 @@ class Report(tuple):  # type: ignore[type-arg]
         Deferred records whose target package is not installed here are left out unless
         ``all=True``: they only say that gradpatch is ready for a package this environment lacks.
         """
-        from gradpatch.budget import report_line
-
         return "\n".join(filter(None, [self._records_table(all, wide), report_line()]))
 
     def _records_table(self, all: bool, wide: bool) -> str:

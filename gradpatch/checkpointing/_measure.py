@@ -1,4 +1,4 @@
-"""Measuring one call of a block for :mod:`gradpatch.fixes.checkpoint_budget`: the bytes autograd
+"""Measuring one call of a block for :mod:`gradpatch.checkpointing.budget`: the bytes autograd
 saves in the checkpoint's own forward, and the time of that call and of the recompute in backward.
 """
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import Tensor
 
-from gradpatch.fixes.checkpoint import _checkpoint
+from gradpatch.checkpointing._paths import run as _checkpoint
 
 _RNG_BYTES = torch.get_rng_state().nbytes  # what the checkpoint saves per call besides the inputs
 _TORCH_CHECKPOINT = os.path.join("torch", "utils", "checkpoint.py")
