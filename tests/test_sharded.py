@@ -35,6 +35,11 @@ def cell(engine, trainable, expect="exact", **kw):
 FSDP2 = [cell("fsdp2", t, layout=layout, reshard=reshard)
          for layout in ("outer", "inner") for reshard in (True, False) for t in ("attn2", "all")] + [
     cell("fsdp2", "all", layout="nested"),
+    # every block recomputed, ResBlocks too: a block that is itself the FSDP2 unit keeps the fast path
+    cell("fsdp2", "all", layout="outer", policy="always"),
+    cell("fsdp2", "attn2", layout="outer", reshard=False, policy="always"),
+    # the budget plan measures in steps 1-2 and holds from step 3
+    cell("fsdp2", "all", layout="inner", policy="budget:1MiB", steps=3),
     cell("fsdp2", "attn2", layout="inner", variant="torch"),
     cell("fsdp2", "all", layout="inner", variant="upstream", expect="silently wrong"),
     cell("fsdp2", "all", layout="inner", accumulate=True),
@@ -57,6 +62,8 @@ FSDP1_DDP = [cell("fsdp1", t, layout=layout, orig=orig)
     cell("fsdp1", "all", layout="inner", orig=True, variant="upstream", expect="silently wrong"),
     cell("ddp", "attn2"), cell("ddp", "all"), cell("ddp", "all", accumulate=True),
     cell("ddp", "attn2", kwargs={"static_graph": True}),
+    cell("ddp", "attn2", kwargs={"find_unused_parameters": True}),
+    cell("ddp", "all", policy="budget:1MiB", steps=3),
 ]
 
 DEEPSPEED = [cell(engine, t) for engine in ("zero2", "zero3") for t in ("attn2", "all")] + [
@@ -125,6 +132,12 @@ def test_gradients_under_sharding(launches, group, spec):
     assert max(record["rel"]) <= (BF16 if expect == "bf16" else EXACT), summary
     if expect == "exact":
         assert record["tensors"] == TENSORS[model, spec["trainable"]]
+    if spec.get("variant", "gradpatch") == "gradpatch" and model == "audioldm" and spec["engine"] != "fsdp1":
+        # Engines' modules inside the checkpointed block (inner shards, ZeRO-3): torch's checkpoint;
+        # a block that is itself the FSDP2 unit, or under DDP/ZeRO-2: gradpatch's own node.
+        inside = spec.get("layout") in ("inner", "nested") or spec["engine"] == "zero3"
+        paths = record["paths"]
+        assert paths["graph"] > 0 if inside else (paths["fast"] > 0 and paths["graph"] == 0), paths
 
 
 def test_parameters_as_restores_absent_entries_and_keeps_an_engines_changes():

@@ -106,16 +106,17 @@ def checkpoint_variant(variant: str):
 _REFERENCES: dict = {}
 
 
-def reference(kind: str, trainable: str, options: tuple = ()) -> list[dict[str, torch.Tensor]]:
-    """Per step, the gradients of one process on the whole batch without checkpointing."""
-    key = (kind, trainable, options)
+def reference(kind: str, trainable: str, options: tuple = (), steps: int = STEPS) -> tuple[list[dict], set]:
+    """Per step, the gradients of one process on the whole batch without checkpointing; the names of
+    the trainable tensors."""
+    key = (kind, trainable, options, steps)
     if key not in _REFERENCES:
         model = audioldm(trainable) if kind == "audioldm" else f5(trainable)
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.SGD(params, lr=LR)
         grads = []
         with checkpoint_variant("none") if kind == "audioldm" else contextlib.nullcontext():
-            for step in range(STEPS):
+            for step in range(steps):
                 optimizer.zero_grad(set_to_none=True)
                 if kind == "audioldm":
                     audioldm_loss(model, audioldm_step_batch(step)).backward()
@@ -128,10 +129,11 @@ def reference(kind: str, trainable: str, options: tuple = ()) -> list[dict[str, 
     return _REFERENCES[key]
 
 
-def compare(got: list[dict[str, torch.Tensor]], kind: str, trainable: str, options: tuple = ()) -> dict:
+def compare(got: list[dict[str, torch.Tensor]], kind: str, trainable: str, options: tuple = (),
+            steps: int = STEPS) -> dict:
     """Largest relative error per step (near-zero gradients against a floor of 1e-3 of the largest
     one), trainable tensors without a gradient, frozen ones with one."""
-    want, names = reference(kind, trainable, options)
+    want, names = reference(kind, trainable, options, steps)
     result = {"rel": [], "missing": [], "frozen_with_grad": [], "tensors": len(names), "scale": []}
     for step, (g, r) in enumerate(zip(got, want)):
         result["scale"].append(max(t.abs().max().item() for t in r.values()))

@@ -19,9 +19,32 @@ import traceback
 import torch
 import torch.distributed as dist
 
+from gradpatch import settings
+
 sys.path.insert(0, os.path.dirname(__file__))
 import sharded_engines as engines  # noqa: E402
 import sharded_models as models  # noqa: E402
+
+
+PATHS = {"fast": 0, "graph": 0}  # checkpoint calls per path of gradpatch's fix, this cell
+
+
+def _count_paths() -> None:
+    """Count the calls that reach gradpatch's fast path (a node of its own) and its graph path."""
+    from gradpatch.checkpointing import _paths
+
+    attempt, graph_path = _paths.attempt, _paths._graph_path
+
+    def counting_attempt(*args, **kwargs):
+        out = attempt(*args, **kwargs)
+        PATHS["fast"] += out is not _paths.ESCAPED
+        return out
+
+    def counting_graph_path(*args, **kwargs):
+        PATHS["graph"] += 1
+        return graph_path(*args, **kwargs)
+
+    _paths.attempt, _paths._graph_path = counting_attempt, counting_graph_path
 
 
 def run(cell: dict, rank: int, world: int) -> list[dict[str, torch.Tensor]]:
@@ -35,7 +58,7 @@ def run(cell: dict, rank: int, world: int) -> list[dict[str, torch.Tensor]]:
     per_rank = (4 if kind == "audioldm" else 2) // world
     lo, hi = rank * per_rank, (rank + 1) * per_rank
     grads = []
-    for step in range(models.STEPS):
+    for step in range(cell.get("steps", models.STEPS)):
         engine.zero_grad()
         batch = models.audioldm_step_batch(step, lo, hi) if kind == "audioldm" else models.f5_batch(step, lo, hi)
         micro = _micro_batches(batch, kind, 2 if cell.get("accumulate") else 1)
@@ -69,26 +92,30 @@ def main() -> None:
         dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
+    _count_paths()
     records = []
     for cell in cells:
         start = time.perf_counter()
         record: dict = {"cell": cell}
+        PATHS.update(fast=0, graph=0)
         try:
             variants = [cell.get("variant", "gradpatch")] + ([cell["against"]] if cell.get("against") else [])
             results = []
+            policy = cell.get("policy", "respect")
             for variant in variants:
-                with models.checkpoint_variant(variant):
+                with models.checkpoint_variant(variant), settings.checkpoint_policy_scope(policy):
                     results.append(run(cell, rank, world))
             if rank == 0:
                 kind = cell.get("model", "audioldm")
-                options = tuple(sorted(cell.get("options", {}).items()))
+                key = tuple(sorted(cell.get("options", {}).items())), cell.get("steps", models.STEPS)
                 if cell.get("against"):
                     record.update(engines.compare_runs(results[0], results[1]))
                 else:
-                    record.update(models.compare(results[0], kind, cell["trainable"], options))
+                    record.update(models.compare(results[0], kind, cell["trainable"], *key))
         except Exception as error:  # noqa: BLE001 - recorded for the test to judge
             record["error"] = f"{type(error).__name__}: {error}"
             record["traceback"] = traceback.format_exc()[-3000:]
+        record["paths"] = dict(PATHS)
         record["seconds"] = round(time.perf_counter() - start, 2)
         records.append(record)
         if rank == 0:
