@@ -3,7 +3,9 @@
 Taken where the fast path's single node cannot carry the gradients: ``func`` read a non-leaf tensor
 it was not given (fast weights under ``functional_call`` or swapped into modules, a closure tensor
 computed beforehand), returned an input or a view of one, something other than a tensor or a flat
-tuple, or tensors sharing storage, or runs under ``torch.compile``. torch's checkpoint keeps the forward's graph and
+tuple, or tensors sharing storage, or runs under ``torch.compile``; and where a sharding engine
+manages modules inside ``func`` (:mod:`gradpatch.checkpointing._sharding`), whose hooks must see the
+recompute inside the autograd graph. torch's checkpoint keeps the forward's graph and
 recomputes only the saved tensors, so every tensor ``func`` reads gets its gradient; it costs the
 forward's graph plus Python saved-tensor hooks (measured about 10% over upstream's time on a small
 UNet on CPU, ``benchmarks/checkpoint_speed.py``).
