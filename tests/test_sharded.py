@@ -72,28 +72,31 @@ DEEPSPEED = [cell(engine, t) for engine in ("zero2", "zero3") for t in ("attn2",
 ]
 
 GROUPS = {"fsdp2": FSDP2, "fsdp1_ddp": FSDP1_DDP, "deepspeed": DEEPSPEED}
-_LAUNCHED: dict[str, dict] = {}
 
 
-def launch(group: str, tmp: Path) -> dict[str, dict]:
-    """Run the group's cells in one 2-rank launch (once per session); records by cell id."""
-    if group not in _LAUNCHED:
-        if group == "deepspeed":
-            pytest.importorskip("deepspeed")
-        cells = [{k: v for k, v in c.items() if k != "expect"} for c in GROUPS[group]]
-        (tmp / f"{group}.json").write_text(json.dumps(cells))
-        env = {**os.environ, "GRADPATCH": "1", "MASTER_ADDR": "127.0.0.1", "OMP_NUM_THREADS": "1",
-               "DS_ACCELERATOR": "cpu", "HF_HUB_OFFLINE": "1"}
-        result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                                 str(SCRIPTS / "sharded_train.py"), str(tmp / f"{group}.json"), str(tmp / f"{group}.out")],
-                                env=env, capture_output=True, text=True, timeout=900)
-        if result.returncode != 0:  # every cell of the group fails with this, without launching again
-            _LAUNCHED[group] = {"launch failed": result.stderr[-5000:]}
-        else:
-            records = json.loads((tmp / f"{group}.out").read_text())
-            _LAUNCHED[group] = {cell_id(r["cell"]): r for r in records}
-    assert "launch failed" not in _LAUNCHED[group], _LAUNCHED[group].get("launch failed")
-    return _LAUNCHED[group]
+def launch(group: str, root: Path) -> dict[str, dict]:
+    """Run the group's cells in one 2-rank launch, once per test session (also across pytest-xdist
+    workers, which share ``root`` and take turns through a file lock); records by cell id."""
+    from filelock import FileLock
+
+    if group == "deepspeed":
+        pytest.importorskip("deepspeed")
+    out, failed = root / f"{group}.out", root / f"{group}.failed"
+    with FileLock(str(root / f"{group}.lock")):
+        if not out.exists() and not failed.exists():
+            cells = [{k: v for k, v in c.items() if k != "expect"} for c in GROUPS[group]]
+            (root / f"{group}.json").write_text(json.dumps(cells))
+            env = {**os.environ, "GRADPATCH": "1", "MASTER_ADDR": "127.0.0.1", "OMP_NUM_THREADS": "1",
+                   "DS_ACCELERATOR": "cpu", "HF_HUB_OFFLINE": "1"}
+            result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                     "--nproc_per_node=2", str(SCRIPTS / "sharded_train.py"),
+                                     str(root / f"{group}.json"), str(out)],
+                                    env=env, capture_output=True, text=True, timeout=900)
+            if result.returncode != 0:  # every cell of the group fails with this, without launching again
+                out.unlink(missing_ok=True)
+                failed.write_text(result.stderr[-5000:])
+    assert not failed.exists(), failed.read_text()
+    return {cell_id(r["cell"]): r for r in json.loads(out.read_text())}
 
 
 def cell_id(c: dict) -> str:
@@ -101,10 +104,15 @@ def cell_id(c: dict) -> str:
                     for k, v in c.items() if k != "expect").replace(" ", "")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def launches(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("sharded")
-    return lambda group: launch(group, tmp)
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # the workers' base directories share this parent
+        root = root.parent
+    root = root / "sharded"
+    root.mkdir(exist_ok=True)
+    cache: dict[str, dict] = {}
+    return lambda group: cache[group] if group in cache else cache.setdefault(group, launch(group, root))
 
 
 CASES = [pytest.param(group, c, id=f"{group}:{cell_id(c)}") for group, cells in GROUPS.items() for c in cells]
