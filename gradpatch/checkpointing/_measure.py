@@ -1,5 +1,14 @@
 """Measuring one call of a block for :mod:`gradpatch.checkpointing.budget`: the bytes autograd
 saves in the checkpoint's own forward, and the time of that call and of the recompute in backward.
+
+Bytes are counted once per storage (views of one tensor, a tensor saved by several ops), leaving out
+the block's inputs and its module's parameters and buffers. Once the checkpoint returned and the
+forward's graph is dropped, a saved storage that is freed is the block's own (``block.bytes``: what
+keeping it adds for certain); one still alive is shared with the rest of the step (``block.shared``:
+its output saved by its last op, a tensor computed before the call), and costs only where nothing
+else keeps it, which :func:`consumers` learns from the storages later checkpointed calls take as
+inputs: a block holds its inputs while it is recomputed, and while it is kept if it saves them
+itself (``block.holds``).
 """
 from __future__ import annotations
 
@@ -10,6 +19,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 from torch import Tensor
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from gradpatch.checkpointing._paths import run as _checkpoint
 
@@ -44,12 +54,17 @@ class _Measured:
         self.__self__, self.__func__, self.__name__ = func.__self__, func.__func__, func.__name__
         self.func, self.block, self.clock, self.held = func, block, clock, held
         self.calls, self.returned, self.counted, self.seconds = 0, False, False, 0.0
-        self.saved: dict[Any, int] = {}
+        self.saved: dict[Any, tuple[Any, int]] = {}  # key -> (weak reference or None, bytes)
+        self.holds: set[int] = set()  # shared storages it takes as input and saves itself
 
     def pack(self, t: Tensor) -> Tensor:
         key, size = _storage(t)
-        if key not in self.held:
-            self.saved[key] = max(self.saved.get(key, 0), size)
+        if key in self.held:  # an input saved by the block itself: held while it is kept too
+            entry = _LIVE.get(key)
+            if entry is not None and not entry[0].expired():
+                self.holds.add(entry[1])
+        elif key not in self.saved:
+            self.saved[key] = (_weak(t), size)
         # Detached: an op's output saved as itself would form a cycle with its grad_fn, kept until
         # the garbage collector runs. Its storage stays alive with the graph: keys stay unique.
         return t.detach()
@@ -57,6 +72,8 @@ class _Measured:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.calls += 1
         if self.returned:
+            if _LIVE:
+                _at_backward()
             start = self.clock()
             try:  # torch's checkpoint may end its recompute early, by an exception
                 return self.func(*args, **kwargs)
@@ -92,12 +109,78 @@ def measure(block: Any, func: Callable[..., Any], args: tuple, kwargs: dict | No
     block.forward.append(measured.seconds)
     block.overhead.append(max(elapsed - measured.seconds, 0.0))
     if measured.counted:
+        own, shared = 0, {}
+        for key, (ref, size) in measured.saved.items():
+            if ref is None or ref.expired():
+                own += size
+            else:  # alive beyond the call: keyed by a step-independent id, see _share
+                shared[_share(key, ref, size, block)] = size
+        measured.saved.clear()
         # Keeping the block also frees what its checkpoint holds besides the inputs: the RNG state.
-        size = max(sum(measured.saved.values()) - _RNG_BYTES, 0)
-        block.bytes = size if block.bytes is None else max(block.bytes, size)
+        own = max(own - _RNG_BYTES, 0)
+        block.bytes = own if block.bytes is None else max(block.bytes, own)
+        if shared or block.shared:  # the latest call's: each call saves storages of its own
+            block.shared, block.consumers, block.anyway = shared, {}, set()
+        block.holds = measured.holds
     elif block.bytes is None:
         block.opaque = True
     return out
+
+
+#: Storages that measured blocks saved and that outlived their call: storage key -> (weak reference,
+#: shared-storage id, producing block). Entries whose storage was freed are dropped by prune().
+_LIVE: dict[Any, tuple[Any, int, Any]] = {}
+_ids = [0]
+
+
+def _share(key: Any, ref: Any, size: int, block: Any) -> int:
+    entry = _LIVE.get(key)
+    if entry is not None and not entry[0].expired():
+        return entry[1]  # saved by an earlier block of this step too: the same storage
+    _ids[0] += 1
+    _LIVE[key] = (ref, _ids[0], block)
+    _UNCHECKED.append(key)
+    return _ids[0]
+
+
+_UNCHECKED: list[Any] = []  # storages in _LIVE not yet seen by a backward
+
+
+def _at_backward() -> None:
+    """At a measured block's first recompute the forward is over and every block was checkpointed
+    (as under ``respect``): a shared storage still alive that no checkpointed call took is held by
+    something else (a tensor computed before the call, kept by its module) and costs nothing. (A
+    backward inside ``torch.autocast`` finds its cached weight casts alive too: they are taken as
+    held, and a plan keeping them may exceed its budget by their size; torch recommends the
+    backward outside autocast.)"""
+    while _UNCHECKED:
+        entry = _LIVE.get(_UNCHECKED.pop())
+        if entry is not None and not entry[0].expired() and not entry[2].consumers.get(entry[1]):
+            entry[2].anyway.add(entry[1])
+
+
+def consumers(block: Any, values: Iterable[Any]) -> None:
+    """Note that ``block`` (checkpointed, so keeping its inputs) takes storages that measured blocks
+    saved: while ``block`` is recomputed, keeping those blocks does not keep them for it."""
+    for v in values:
+        if isinstance(v, Tensor):
+            entry = _LIVE.get(_storage(v)[0])
+            if entry is not None and entry[2] is not block and not entry[0].expired():
+                entry[2].consumers.setdefault(entry[1], set()).add(block)
+
+
+def prune() -> None:
+    """Forget the storages freed since."""
+    for key in [k for k, entry in _LIVE.items() if entry[0].expired()]:
+        _LIVE.pop(key, None)
+    _UNCHECKED[:] = [k for k in _UNCHECKED if k in _LIVE]
+
+
+def _weak(t: Tensor) -> Any:
+    try:
+        return StorageWeakRef(t.untyped_storage())
+    except (RuntimeError, NotImplementedError, TypeError, AttributeError):
+        return None
 
 
 def _inside_torch_checkpoint() -> bool:

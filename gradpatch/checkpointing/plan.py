@@ -80,9 +80,72 @@ def _rounded(items: Sequence[Item], candidates: list[int], budget: int) -> list[
     return chosen
 
 
+class Shared(NamedTuple):
+    """A storage that several items may keep (one item's output saved by its last op and taken by
+    the next as input): it costs its bytes once, if a keeping item is kept and no item that holds it
+    anyway (a consumer, holding it while it is recomputed) is recomputed."""
+
+    bytes: int
+    producers: Sequence[int]  # items whose keeping keeps it
+    consumers: Sequence[int]  # items that hold it while they are recomputed
+
+
+def kept_bytes(items: Sequence[Item], shared: Sequence[Shared], keep: Sequence[bool]) -> list[int]:
+    """What each item adds to memory when ``keep`` says which are kept: its own bytes, and each shared
+    storage it is the first kept producer of that no recomputed consumer holds (0 for recomputed
+    items). The sum is what the kept items keep together."""
+    out = [it.bytes if k else 0 for it, k in zip(items, keep)]
+    for s in shared:
+        first = next((i for i in s.producers if keep[i]), None)
+        if first is not None and all(keep[c] for c in s.consumers):
+            out[first] += s.bytes
+    return out
+
+
+def choose_shared(items: Sequence[Item], shared: Sequence[Shared], budget: int) -> list[bool]:
+    """:func:`choose` where items share storages: the knapsack over each item's cost when kept alone,
+    re-solved with less room while the chosen set together exceeds ``budget``, then filled up with
+    the items that still fit (by seconds per byte they add), counted exactly by :func:`kept_bytes`.
+    Never over ``budget``."""
+    if not shared:
+        return choose(items, budget)
+    n = len(items)
+
+    def cost(keep: Sequence[bool]) -> int:
+        return sum(kept_bytes(items, shared, keep))
+
+    alone = [Item(cost([j == i for j in range(n)]), it.seconds) for i, it in enumerate(items)]
+    room, keep = budget, choose(alone, budget)
+    for _ in range(8):
+        over = cost(keep) - budget
+        if over <= 0:
+            break
+        room -= over
+        keep = choose(alone, max(room, 0))
+    while cost(keep) > budget:  # still over: drop what saves least per byte
+        kept = [i for i in range(n) if keep[i]]
+        keep[min(kept, key=lambda i: items[i].seconds / max(alone[i].bytes, 1))] = False
+    while True:  # fill up: what fits now, most seconds per added byte first
+        total, best, pick = cost(keep), None, None
+        for i in range(n):
+            if keep[i] or items[i].seconds <= 0:
+                continue
+            keep[i] = True
+            added = cost(keep) - total
+            keep[i] = False
+            if total + added <= budget:
+                rate = items[i].seconds / max(added, 1)
+                if best is None or rate > best:
+                    best, pick = rate, i
+        if pick is None:
+            return keep
+        keep[pick] = True
+
+
 class PlanEntry(NamedTuple):
     """One planned block: its name (module class and method, or path with ``model=``), the bytes
-    keeping its activations costs and the seconds recomputing it costs (its recompute in backward
+    keeping its activations costs (for a kept block, what it adds to the plan: a storage that kept
+    blocks share counts in the first; for a recomputed one, what keeping it alone would add) and the seconds recomputing it costs (its recompute in backward
     and the checkpoint's own work in the forward: what keeping it saves), both per step, over all
     its calls; whether the plan recomputes it; whether it is measured. ``None`` figures: not
     measured yet, or never measurable (a block torch's own checkpoint runs: always recomputed)."""
@@ -102,6 +165,8 @@ class Plan(tuple):  # type: ignore[type-arg]
 
     @property
     def kept_bytes(self) -> int:
+        """What the kept blocks keep together beyond recomputing all (storages they share counted
+        once): the estimate of the extra bytes alive after the forward."""
         return sum(e.bytes or 0 for e in self if not e.recomputed)
 
     @property
