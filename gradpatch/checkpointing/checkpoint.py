@@ -193,7 +193,23 @@ class _Upstream:
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):
             raise AttributeError(name)
-        return importlib.import_module(name.replace(":", "."))
+        return _ModuleRef(name.replace(":", "."))
+
+
+class _ModuleRef:
+    """A module, by name, that pickles: protocols below 4 pickle a dotted qualname as
+    ``getattr(parent, last)`` and so pickle the parent, which a module object cannot be."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(importlib.import_module(self.__dict__["_name"]), name)
+
+    def __reduce__(self) -> tuple:
+        return _ModuleRef, (self._name,)
 
 
 _upstream = _Upstream()

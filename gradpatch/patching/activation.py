@@ -30,6 +30,7 @@ _wanted: set[str] = set()
 _installed: dict[str, Installed] = {}  # insertion order is install order
 _superseded: dict[str, list[Installed]] = {}  # fixes of earlier executions of a reloaded module
 _records: dict[str, Record] = {}
+_requested: set[str] = set()  # patches added by request() (gradpatch.differentiable's string form)
 
 
 def _reset_lock_in_child() -> None:
@@ -251,6 +252,22 @@ def adopt(patches: Iterable[Patch], module: ModuleType, *, late: bool, fixes: fr
         return [_records[p.name] for p in patches if p.name in _records]
 
 
+def request(patch: Patch) -> Record:
+    """Add ``patch`` to this process's catalogue and apply it now or when its module is imported
+    (:func:`gradpatch.differentiable`'s string form). Requesting the same target again with other
+    options reverts the earlier patch first; once reverted, it leaves the catalogue (a later
+    ``apply()`` does not bring it back). Returns its record."""
+    with _lock:
+        known = known_patches()
+        if patch.name in known and known[patch.name] != patch and patch.name in _wanted:
+            revert(patch.name)
+        known[patch.name] = patch
+        _requested.add(patch.name)
+        if patch.name not in _wanted:
+            _start(patch)
+        return _records[patch.name]
+
+
 def revert(*names: str | Iterable[str]) -> Report:
     """Undo patches (all if no names), newest first, restoring the original objects themselves.
 
@@ -270,6 +287,9 @@ def revert(*names: str | Iterable[str]) -> Report:
             if patch.name in _wanted:
                 _wanted.discard(patch.name)
                 _record(patch, Status.REVERTED, "reverted")
+            if patch.name in _requested:  # asked for once: a later apply() does not bring it back
+                _requested.discard(patch.name)
+                known_patches().pop(patch.name, None)
         return Report(_records[p.name] for p in chosen if p.name in _records)
 
 
