@@ -27,7 +27,7 @@ from gradpatch.patching import ledger, watcher
 from gradpatch.patching import scan as scanning
 from gradpatch.patching.hooks import forget, uninstall
 from gradpatch.patching.ledger import (_adopted, _apply_now, _index, _installed, _record, _records,  # noqa: F401
-                                       _superseded, _wanted, known_patches, select)
+                                       _requested, _superseded, _unseen, _wanted, known_patches, select)
 from gradpatch.patching.registry import Patch, Record, Report, Status
 from gradpatch.patching.versions import _contains, _installed_version, split_requirement  # noqa: F401 (used by cli, tests)
 
@@ -202,23 +202,21 @@ def _apply(names: tuple, exclude: object, env: environment.Environment, scan: bo
         return Report([_records[p.name] for p in selected + excluded + again if p.name in _records] + found)
 
 
-def _unseen(patch: Patch) -> str | None:
-    """Why a wanted patch is not in place although its module's body has run, unseen (a loader
-    gradpatch cannot watch, see :mod:`~gradpatch.patching.watcher`: imported, or reloaded, since), or
-    None. Lock held."""
-    record = _records.get(patch.name)
-    module = sys.modules.get(patch.module)
-    if record is None or patch.name not in _wanted or module is None or watcher.unloaded(module) \
-            or watcher.running(module):
-        return None
-    installed = _installed.get(patch.name)
-    if record.status == Status.APPLIED and installed is not None and ledger._in_place(installed, module, patch.qualname):
-        return None
-    if record.status not in (Status.APPLIED, Status.DEFERRED):
-        return None
-    loader = (watcher.namespace(module) or {}).get("__loader__")
-    return (f"{patch.module}'s body ran (loaded by {type(loader).__name__}) without gradpatch seeing it, so "
-            f"{patch.target} is not gradpatch's fix; call gradpatch.apply() again to patch it now")
+def request(patch: Patch) -> Record:
+    """Add ``patch`` to this process's catalogue and apply it now or when its module is imported
+    (:func:`gradpatch.differentiable`'s string form). Requesting the same target again with other
+    options reverts the earlier patch first; once reverted, it leaves the catalogue (a later
+    ``apply()`` does not bring it back). Returns its record."""
+    with ledger._lock:
+        known = known_patches()
+        if patch.name in known and known[patch.name] != patch and patch.name in _wanted:
+            revert(patch.name)
+        known[patch.name] = patch
+        _requested.add(patch.name)
+        if patch.name not in _wanted:
+            watcher.start(_body_ran)
+            _start(patch)
+        return _records[patch.name]
 
 
 def revert(*names: str | Iterable[str]) -> Report:
@@ -246,6 +244,9 @@ def revert(*names: str | Iterable[str]) -> Report:
             if patch.name in _wanted:
                 _wanted.discard(patch.name)
                 _record(patch, Status.REVERTED, "reverted")
+            if patch.name in _requested:  # asked for once: a later apply() does not bring it back
+                _requested.discard(patch.name)
+                known_patches().pop(patch.name, None)
         if not _wanted:
             watcher.stop()  # the import system exactly as it was
         return Report(_records[p.name] for p in chosen if p.name in _records)

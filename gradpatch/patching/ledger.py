@@ -11,25 +11,63 @@ so a lock held by another thread of the parent cannot deadlock it.
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from types import ModuleType
 from typing import Iterable
 
 from gradpatch.errors import PatchFailedWarning, UnknownCodeWarning, complain, logger
-from gradpatch.patching import selection
+from gradpatch.patching import selection, watcher
 from gradpatch.patching.hooks import MISSING, Installed, install, locate, resolve
 from gradpatch.patching.registry import Patch, Record, Status
 from gradpatch.patching.versions import _installed_version
 
 _lock = threading.RLock()
-_patches: dict[str, Patch] | None = None
+_patches: _Catalogue | None = None
 _wanted: set[str] = set()
 _installed: dict[str, Installed] = {}  # insertion order is install order
 _superseded: dict[str, list[Installed]] = {}  # fixes of earlier executions of a reloaded module
 _records: dict[str, Record] = {}
 _adopted: dict[str, frozenset[str]] = {}  # copies the scan found: patch name -> their family's fixes
+_requested: set[str] = set()  # patches added by request() (gradpatch.differentiable's string form)
 _targets: dict[str, list[Patch]] = {}  # module name -> known patches on it (see _index)
-_indexed = -1  # len(_patches) when _targets was built
+_indexed = -1  # _patches.changes when _targets was built
+
+
+class _Catalogue(dict):  # type: ignore[type-arg]
+    """The known patches by name: a dict that counts its changes, so that the index by module (read
+    at every module body) knows in O(1) whether it is current, whoever changed it (the scan, a
+    request, a test)."""
+
+    changes = 0
+
+    def __setitem__(self, key: str, value: Patch) -> None:
+        super().__setitem__(key, value)
+        self.changes += 1
+
+    def __delitem__(self, key: str) -> None:
+        super().__delitem__(key)
+        self.changes += 1
+
+    def pop(self, *args: object) -> object:  # type: ignore[override]
+        self.changes += 1
+        return super().pop(*args)  # type: ignore[arg-type]
+
+    def update(self, *args: object, **kwargs: object) -> None:  # type: ignore[override]
+        super().update(*args, **kwargs)  # type: ignore[arg-type]
+        self.changes += 1
+
+    def setdefault(self, key: str, default: Patch) -> Patch:  # type: ignore[override]
+        self.changes += 1
+        return super().setdefault(key, default)
+
+    def popitem(self) -> tuple[str, Patch]:
+        self.changes += 1
+        return super().popitem()
+
+    def clear(self) -> None:
+        super().clear()
+        self.changes += 1
 
 
 def _reset_lock_in_child() -> None:
@@ -48,22 +86,23 @@ def known_patches() -> dict[str, Patch]:
         if _patches is None:
             from gradpatch.patching import catalogue
 
-            _patches = catalogue.load()
+            _patches = _Catalogue(catalogue.load())
         return _patches
 
 
 def _index() -> dict[str, list[Patch]]:
-    """Known patches by target module, rebuilt when patches were added (the scan, a test)."""
+    """Known patches by target module, rebuilt when the catalogue changed (the scan, a request)."""
     global _targets, _indexed
     patches = _patches
     if patches is None:
         return {}
-    if len(patches) != _indexed:  # no lock: every import asks, and must never wait for another thread
+    if patches.changes != _indexed:  # no lock: every import asks, and must never wait for another thread
+        changes = patches.changes  # read first: a change while building leaves the index stale, not wrong
         known = list(patches.values())  # one C call: no other thread runs during it
         targets: dict[str, list[Patch]] = {}
         for patch in known:
             targets.setdefault(patch.module, []).append(patch)
-        _targets, _indexed = targets, len(known)
+        _targets, _indexed = targets, changes
     return _targets
 
 
@@ -158,3 +197,22 @@ def _apply_now(patch: Patch, module: ModuleType, *, late: bool) -> None:
 
 def _is_fingerprint(label: str) -> bool:
     return len(label) == 16 and all(c in "0123456789abcdef" for c in label)
+
+
+def _unseen(patch: Patch) -> str | None:
+    """Why a wanted patch is not in place although its module's body has run, unseen (a loader
+    gradpatch cannot watch, see :mod:`~gradpatch.patching.watcher`: imported, or reloaded, since), or
+    None. Lock held."""
+    record = _records.get(patch.name)
+    module = sys.modules.get(patch.module)
+    if record is None or patch.name not in _wanted or module is None or watcher.unloaded(module) \
+            or watcher.running(module):
+        return None
+    installed = _installed.get(patch.name)
+    if record.status == Status.APPLIED and installed is not None and _in_place(installed, module, patch.qualname):
+        return None
+    if record.status not in (Status.APPLIED, Status.DEFERRED):
+        return None
+    loader = (watcher.namespace(module) or {}).get("__loader__")
+    return (f"{patch.module}'s body ran (loaded by {type(loader).__name__}) without gradpatch seeing it, so "
+            f"{patch.target} is not gradpatch's fix; call gradpatch.apply() again to patch it now")
