@@ -26,7 +26,6 @@ MODULES = (
     "cosyvoice",
     "voxcpm",
     "denoising_diffusion_pytorch",
-    "diffrhythm",
     "diffsinger",
     "tango",
 )

@@ -97,7 +97,27 @@ FLOW_MATCHING = Family(
     ),
 )
 
-FAMILIES = [CHECKPOINT, FLOW_MATCHING]
+#: F5-TTS's ``CFM.sample`` as other repositories copied it, at paths no declaration may name:
+#: DiffRhythm (GitHub ASLP-lab/DiffRhythm) keeps it in a checkout's top-level ``model/cfm.py``, and a
+#: declaration of ``model.cfm`` would fire on every project with such a module. Same shape as F5's
+#: (``@torch.no_grad()``, ``self.eval()``, ``self.transformer`` through the module global ``odeint``),
+#: so F5's fix, unchanged; found by the scan whenever F5's patch is selected (the same fix).
+F5_SAMPLE = Family(
+    "f5_cfm_sample",
+    members=(Member("CFM.sample", FunctionShape(("self", "cond", "text", "duration")),
+                    "gradpatch.sampling.runner:differentiable_sampler",
+                    "CFM.sample(cache=False): gradients through the ODE solve, caller's mode kept; grad_steps, "
+                    "checkpoint_steps"),),
+    fingerprints=((("CFM.sample",), {
+        # Every version of DiffRhythm's model/cfm.py in the repository's history.
+        "056bf98573e13047": "DiffRhythm git 5909b2a to a6aa722 (2025-03-05 to 2025-03-13)",
+        "63227f143616ee6f": "DiffRhythm git c93f59a (2025-03-17)",
+        "f87169b02a46cae3": "DiffRhythm git fce85e5 (2025-05-08)",
+        "af621de49b303f98": "DiffRhythm git fc54560 (2025-09-02) to 28ad63c (2025-11-27)",
+    }),),
+)
+
+FAMILIES = [CHECKPOINT, FLOW_MATCHING, F5_SAMPLE]
 
 
 def checkpoint_family(upstream: str, module: str, known: Mapping[str, str], *,

@@ -1,7 +1,7 @@
 """DiffRhythm's ``CFM.sample`` (GitHub only): the declared fix (F5-TTS's) on a replica of its sampler.
 
-``patches/diffrhythm.py`` recognises ``model.cfm:CFM.sample`` by fingerprints from the repository's
-history and declares F5's fix for it. The replica below has the shape those versions share: a
+``patches/_families.py`` (``F5_SAMPLE``) recognises DiffRhythm's ``CFM.sample`` at any path (a checkout's
+``model.cfm``) by fingerprints from the repository's history, with F5's fix. The replica below has the shape those versions share: a
 ``@torch.no_grad()`` method that calls ``self.eval()``, pastes the prompt (``torch.where`` with a fixed
 span mask) around an ``odeint`` solve (the module global, torchdiffeq, Euler) of a CFG field built from
 two ``self.transformer`` calls (the second with a negative style prompt), and returns the chunks and the
@@ -20,6 +20,7 @@ pytest.importorskip("torchdiffeq")
 
 from torchdiffeq import odeint  # noqa: E402  (the replica's module global, as in DiffRhythm)
 
+from gradpatch.patching import catalogue  # noqa: E402
 from gradpatch.patching.activation import known_patches  # noqa: E402
 from gradpatch.patching.hooks import resolve  # noqa: E402
 
@@ -100,10 +101,13 @@ def reference(model, first, cond, style_prompt, negative_style_prompt, cfg_stren
 
 @pytest.fixture
 def patched():
-    patch = known_patches()["diffrhythm.sample"]
-    assert patch.target == "model.cfm:CFM.sample"
+    """The fix of the ``F5_SAMPLE`` family member, which is F5's declared fix (so the scan looks for
+    DiffRhythm's copies whenever F5's patch is selected)."""
+    families = __import__(f"{catalogue._builtin_package().__name__}._families", fromlist=["F5_SAMPLE"])
+    fix = families.F5_SAMPLE.members[0].fix
+    assert fix == known_patches()["f5_tts.sample"].fix
     original = vars(CFM)["sample"]
-    CFM.sample = resolve(patch.fix)(original)
+    CFM.sample = resolve(fix)(original)
     yield
     CFM.sample = original
 

@@ -1,7 +1,8 @@
 """DiffSinger's rectified flow (GitHub only): the declared fix on a replica of its sampler.
 
-``patches/diffsinger.py`` recognises ``modules.core.reflow`` by fingerprint and declares
-:func:`gradpatch.differentiable` for ``RectifiedFlow.forward``/``inference``. The replica below has the
+``patches/diffsinger.py`` documents the opt-in (``gradpatch.differentiable(
+"modules.core.reflow:RectifiedFlow.forward", step="velocity_fn")``; the path is too generic to declare).
+The replica below has the
 shape of every version of that file: ``@torch.no_grad()`` on ``inference`` and on the step methods,
 which update the state in place after the network read it (``x += v * dt``), the step count read from a
 global ``hparams``. The declared fix is compared with the same loop written out of place by hand, for
@@ -15,8 +16,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+import gradpatch  # noqa: E402
+from gradpatch.patching import catalogue  # noqa: E402
 from gradpatch.patching.activation import known_patches  # noqa: E402
-from gradpatch.patching.hooks import resolve  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 hparams = {"sampling_algorithm": "euler", "sampling_steps": 3, "infer": False}
@@ -93,14 +95,13 @@ def reference(model, condition, algorithm):
 
 @pytest.fixture
 def patched():
-    originals = {name: vars(RectifiedFlow)[name] for name in ("forward", "inference")}
-    for name, original in originals.items():
-        patch = known_patches()[f"diffsinger.RectifiedFlow.{name}"]
-        assert patch.target == f"modules.core.reflow:RectifiedFlow.{name}"
-        setattr(RectifiedFlow, name, resolve(patch.fix)(original))
+    """The opt-in ``patches/diffsinger.py`` documents, on the replica's module (both entries)."""
+    diffsinger = __import__(f"{catalogue._builtin_package().__name__}.diffsinger", fromlist=["FIX"])
+    records = [gradpatch.differentiable(f"{__name__}:RectifiedFlow.{name}", step="velocity_fn")
+               for name in ("forward", "inference")]
+    assert all(r.status.value == "applied" and known_patches()[r.patch].fix == diffsinger.FIX for r in records)
     yield
-    for name, original in originals.items():
-        setattr(RectifiedFlow, name, original)
+    gradpatch.revert(*[r.patch for r in records])
 
 
 def _setup(algorithm):

@@ -1,6 +1,7 @@
 """Tango's ``AudioDiffusion.inference`` (GitHub only): the declared fix on a replica of its sampler.
 
-``patches/tango.py`` recognises ``models:AudioDiffusion.inference`` by fingerprint. The replica keeps its
+``patches/tango.py`` documents the opt-in (``gradpatch.differentiable("models:AudioDiffusion.inference",
+step="unet", steps="num_steps")``; ``models`` is too generic a name to declare). The replica keeps its
 shape: ``@torch.no_grad()``; prompt embeddings for classifier-free guidance from a frozen text encoder
 under an in-body ``with torch.no_grad():``; a diffusers scheduler loop over ``num_steps`` with one
 CFG-batched ``self.unet`` call and ``inference_scheduler.step`` per step. Real diffusers parts: a tiny
@@ -16,8 +17,9 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("diffusers")
 
+import gradpatch  # noqa: E402
+from gradpatch.patching import catalogue  # noqa: E402
 from gradpatch.patching.activation import known_patches  # noqa: E402
-from gradpatch.patching.hooks import resolve  # noqa: E402
 from gradpatch.testing import reinit_zero_weights  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -106,12 +108,14 @@ def reference(model, prompt, first, guidance_scale=3.0):
 
 @pytest.fixture
 def patched():
-    patch = known_patches()["tango.AudioDiffusion.inference"]
-    assert patch.target == "models:AudioDiffusion.inference"
+    """The opt-in line ``patches/tango.py`` documents, on the replica's module."""
+    tango = __import__(f"{catalogue._builtin_package().__name__}.tango", fromlist=["FIX"])
     original = vars(AudioDiffusion)["inference"]
-    AudioDiffusion.inference = resolve(patch.fix)(original)
+    record = gradpatch.differentiable(f"{__name__}:AudioDiffusion.inference", step="unet", steps="num_steps")
+    assert record.status.value == "applied" and known_patches()[record.patch].fix == tango.FIX
     yield
-    AudioDiffusion.inference = original
+    gradpatch.revert(record.patch)
+    assert vars(AudioDiffusion)["inference"] is original
 
 
 def _grads(out, model):
