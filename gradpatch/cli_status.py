@@ -39,10 +39,10 @@ def activity_line(environ: dict[str, str] | None = None, startup: str | None | b
     environ = dict(os.environ) if environ is None else environ
     path = startup_file() if startup is True else startup or None
     value = environ.get("GRADPATCH", "")
-    shown = elide(value, 24)
+    shown = elide(value, 16)
     if value.strip().lower() not in _OFF and path:
         head = f"gradpatch: ACTIVE in every Python process here (GRADPATCH={shown}, start-up file "
-        return head + elide(path, max(width - len(head) - 1, 10)) + ")"
+        return head + elide(path, max(width - len(head) - 1, 8)) + ")"
     if value.strip().lower() not in _OFF:
         return (f"gradpatch: active only where imported (GRADPATCH={shown}; no start-up file): "
                 "import gradpatch.auto")
