@@ -40,7 +40,8 @@ import torch
 
 from gradpatch.errors import NotDifferentiableError, RevertWarning, complain
 from gradpatch.fixes.diffusers_run import differentiable_run, in_call, inside
-from gradpatch.fixes.options import check_flag, check_keywords, sampling_options, swallowed_keywords
+from gradpatch.fixes.options import (check_flag, check_keywords, note_cached_call, sampling_options,
+                                     swallowed_keywords)
 from gradpatch.fixes.sampling import active_options
 
 __all__ = ["NotDifferentiableError", "guard_modular_call", "no_grad_body", "patch_pipeline_hierarchy"]
@@ -104,6 +105,7 @@ def _differentiable_call(original: Callable[..., Any], body: Callable[..., Any])
         else:
             options = sampling_options(cache, grad_steps, checkpoint_steps)
         if cache:
+            note_cached_call(f"{type(self).__name__}.__call__", self)
             return original(self, *args, **kwargs)
         _check_output_type(body, self, args, kwargs)
         with differentiable_run(self, options):
