@@ -8,8 +8,8 @@ checkpoint gradpatch has not patched, a reentrant torch checkpoint, a ``@torch.n
 simply a parameter the loss never reached. "Reached" means the backward wrote a gradient: one that is
 exactly zero (LoRA's ``lora_A`` while ``lora_B`` is still zero) is healthy. While it watches a step
 (:func:`grad_doctor`, ``gradpatch doctor``) it sees torch's reentrant checkpoint however it is called,
-and patched samplers run with ``cache=True`` (no graph) inside a loss (``gradpatch/_doctor_watch.py``). :func:`grad_doctor` wraps one training step and prints the
-diagnosis; ``gradpatch doctor script.py`` runs a whole script that way. Under the ``budget:<size>``
+and patched samplers run with ``cache=True`` (no graph) inside a loss (``gradpatch/_doctor_watch.py``).
+:func:`grad_doctor` wraps one training step and prints the diagnosis; ``gradpatch doctor script.py`` runs a whole script that way. Under the ``budget:<size>``
 checkpoint policy both also print its plan (:func:`checkpoint_plan_text`).
 """
 from __future__ import annotations
