@@ -187,7 +187,7 @@ def _reentrant_findings(model: torch.nn.Module, watch: Watch | None, missing, ex
         remedy = ("pass use_reentrant=False there (transformers/diffusers: gradient_checkpointing_enable("
                   "gradient_checkpointing_kwargs={'use_reentrant': False})), or bind "
                   "gradpatch.fixes.checkpoint.non_reentrant(torch.utils.checkpoint.checkpoint) in its place")
-        findings.append(Finding(f"{path} ({type(module).__name__})", names, cause, remedy))
+        findings.append(Finding(f"{path or '<root>'} ({type(module).__name__})", names, cause, remedy))
     return findings
 
 
@@ -218,6 +218,7 @@ def explain_grads(model: torch.nn.Module, error: BaseException | None = None,
                 diagnosis.findings.append(Finding(f"{paths[block]} ({type(block).__name__})", frozen, cause, remedy))
         if not diagnosis.findings and _NO_GRAPH in str(error):
             diagnosis.findings += _sampler_findings(model, watch, ())
+            diagnosis.findings += _reentrant_findings(model, watch, lambda p: p.requires_grad, set())
             sampler = _no_grad_sampler(model)
             if sampler:
                 diagnosis.findings.append(Finding(type(model).__name__, (), sampler, _REMEDY + ", and call it with "

@@ -162,3 +162,14 @@ def test_grad_doctor_counts_a_zero_gradient_as_reached_and_none_as_missing():
     (finding,) = diagnosis.findings
     assert "the loss does not depend on them" in finding.cause
     assert {n for n, p in model.named_parameters() if p.requires_grad} - {kept} == set(finding.parameters)
+
+
+def test_a_model_wholly_inside_a_reentrant_checkpoint_is_named_when_backward_raises(tmp_path):
+    script = REENTRANT.format(imports="import torch.utils.checkpoint", call="x").replace(
+        "return self.head(self.block(self.embed(tokens)))",
+        "return torch.utils.checkpoint.checkpoint(lambda t: self.head(self.block(t)), self.embed(tokens),"
+        " use_reentrant=True)")
+    result = doctor(script, tmp_path)
+    assert result.returncode != 0 and "element 0 of tensors does not require grad" in result.stderr
+    assert "- <root> (Model): block.inner.0.weight" in result.stderr, result.stderr
+    assert "use_reentrant=False" in result.stderr
