@@ -38,8 +38,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import checkpoint_speed as speed  # noqa: E402
 
-from gradpatch.fixes import checkpoint as fixed  # noqa: E402
-from gradpatch.fixes import checkpoint_budget as planner  # noqa: E402
+from gradpatch.checkpointing import checkpoint as fixed  # noqa: E402
+from gradpatch.checkpointing import budget as planner  # noqa: E402
 
 FRACTIONS = (0.25, 0.5, 0.75)
 BASE = {"V1": speed.VARIANTS["V1"], "torch-NR": speed.VARIANTS["torch-NR"],
@@ -52,7 +52,7 @@ def budget_policy(size: int) -> str:
 
 def forced(blocks: list, keep: list[bool], key: int) -> str:
     """A policy whose plan is ``keep``: the planner's plan for the otherwise unused size ``key``."""
-    planner._PLANNER.plans[key] = list(zip(blocks, keep))
+    planner._PLANNER.plans[key] = [(b, k, None) for b, k in zip(blocks, keep)]
     return budget_policy(key)
 
 
@@ -168,11 +168,11 @@ def curve(name: str, rounds: int, warmup: int, exhaustive: bool) -> None:
               f"{low:6.3f}..{high:5.3f} {memory[variant] / 2**20:13.2f}MiB "
               f"{beyond / 2**20:12.2f}MiB {ratio}")
     print("planned: " + "; ".join(
-        f"{v}: {sum(k for _, k in planner._PLANNER.plans[s])} of {len(blocks)} kept, "
-        f"{sum(b.step_bytes for b, k in planner._PLANNER.plans[s] if k) / 2**20:.2f} MiB estimated"
+        f"{v}: {sum(k for _, k, _ in planner._PLANNER.plans[s])} of {len(blocks)} kept, "
+        f"{sum(a for _, k, a in planner._PLANNER.plans[s] if k) / 2**20:.2f} MiB estimated"
         for v, s in sizes.items()))
     median, low, high = speed.paired(times, "budget 50%", "greedy 50%")
-    planned = dict(planner._PLANNER.plans[sizes["budget 50%"]])
+    planned = {b: k for b, k, _ in planner._PLANNER.plans[sizes["budget 50%"]]}
     differ = sum(planned[b] != k for b, k in zip(blocks, greedy(blocks, sizes["budget 50%"])))
     print(f"budget 50% / greedy 50% = {median:.3f} ({low:.3f}..{high:.3f}); the plans differ in "
           f"{differ} of {len(blocks)} blocks")

@@ -33,7 +33,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import checkpoint_speed as speed  # noqa: E402
 
-from gradpatch.fixes import _recompute  # noqa: E402
+from gradpatch.checkpointing import _recompute  # noqa: E402
 
 CheckpointFunction = speed.util.CheckpointFunction
 

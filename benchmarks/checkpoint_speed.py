@@ -40,7 +40,7 @@ import audioldm.latent_diffusion.util as util
 from audioldm.latent_diffusion.openaimodel import UNetModel
 
 from gradpatch import settings
-from gradpatch.fixes import checkpoint as fixed
+from gradpatch.checkpointing import checkpoint as fixed
 
 V1 = util.checkpoint
 

@@ -28,15 +28,15 @@ TYPE_CHECKING = False  # spares importing typing: this module is imported at int
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "apply": "gradpatch.activation",
-    "revert": "gradpatch.activation",
-    "applied": "gradpatch.activation",
-    "report": "gradpatch.activation",
-    "known_patches": "gradpatch.activation",
-    "Patch": "gradpatch.registry",
-    "Record": "gradpatch.registry",
-    "Report": "gradpatch.registry",
-    "Status": "gradpatch.registry",
+    "apply": "gradpatch.patching.activation",
+    "revert": "gradpatch.patching.activation",
+    "applied": "gradpatch.patching.activation",
+    "report": "gradpatch.patching.activation",
+    "known_patches": "gradpatch.patching.activation",
+    "Patch": "gradpatch.patching.registry",
+    "Record": "gradpatch.patching.registry",
+    "Report": "gradpatch.patching.registry",
+    "Status": "gradpatch.patching.registry",
     "set_checkpoint_policy": "gradpatch.settings",
     "checkpoint_policy_scope": "gradpatch.settings",
     "GradpatchError": "gradpatch.errors",
@@ -47,8 +47,9 @@ _EXPORTS = {
     "PatchFailedWarning": "gradpatch.errors",
     "RevertWarning": "gradpatch.errors",
     "StartupWarning": "gradpatch.errors",
-    "checkpoint": "gradpatch.fixes.checkpoint",  # these import torch
-    "checkpoint_plan": "gradpatch.fixes.checkpoint_budget",
+    "checkpoint": "gradpatch.checkpointing.checkpoint",  # these import torch
+    "checkpoint_plan": "gradpatch.checkpointing.budget",
+    "differentiable": "gradpatch.sampling.any_sampler",
     "trainable": "gradpatch.selective",
     "explain_grads": "gradpatch.doctor",
     "grad_doctor": "gradpatch.doctor",
@@ -57,13 +58,14 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
-    from gradpatch.activation import applied, apply, known_patches, report, revert
+    from gradpatch.patching.activation import applied, apply, known_patches, report, revert
     from gradpatch.errors import (ConfigWarning, GradpatchError, GradpatchWarning,
                                   NotDifferentiableError, PatchFailedWarning, RevertWarning,
                                   StartupWarning, UnknownCodeWarning)
-    from gradpatch.fixes.checkpoint import checkpoint
-    from gradpatch.fixes.checkpoint_budget import checkpoint_plan
-    from gradpatch.registry import Patch, Record, Report, Status
+    from gradpatch.checkpointing.checkpoint import checkpoint
+    from gradpatch.checkpointing.budget import checkpoint_plan
+    from gradpatch.patching.registry import Patch, Record, Report, Status
+    from gradpatch.sampling.any_sampler import differentiable
     from gradpatch.doctor import explain_grads, grad_doctor
     from gradpatch.selective import TrainableSummary, trainable
     from gradpatch.settings import checkpoint_policy_scope, set_checkpoint_policy

@@ -11,7 +11,7 @@
   function itself, its ``__self__``, a module in its closure or ``functools.partial``, else the module
   whose ``forward`` called it) and the caller's file and line.
 * **Patched samplers run with** ``cache=True`` (their default) under grad mode: their output carries
-  no graph (:data:`gradpatch.fixes.options.cached_call_observers`).
+  no graph (:data:`gradpatch.sampling.options.cached_call_observers`).
 
 Nothing is observed outside :func:`watching`; the wrapper it installs is removed on exit.
 """
@@ -122,7 +122,7 @@ def _caller() -> tuple[str, torch.nn.Module | None]:
 @contextlib.contextmanager
 def watching() -> Iterator[Watch]:
     """Observe reentrant checkpoints and cached sampler calls for the duration."""
-    from gradpatch.fixes import options
+    from gradpatch.sampling import options
 
     watch = Watch()
     cls = torch.utils.checkpoint.CheckpointFunction

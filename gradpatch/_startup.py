@@ -43,7 +43,7 @@ def activate_from_env() -> object:
     """Apply what the ``GRADPATCH*`` environment variables ask for; return the report (None when
     ``GRADPATCH`` selects nothing)."""
     from gradpatch import environment, settings
-    from gradpatch.activation import apply
+    from gradpatch.patching.activation import apply
     from gradpatch.errors import ConfigWarning, complain, logger
 
     env = environment.read()

@@ -1,4 +1,4 @@
 """``import gradpatch.auto`` applies every patch (or those the ``GRADPATCH*`` variables select)."""
-from gradpatch.activation import apply
+from gradpatch.patching.activation import apply
 
 apply()

@@ -24,8 +24,8 @@ import sys
 from typing import Sequence
 
 from gradpatch import _OFF
-from gradpatch.fingerprint import Fingerprints, fingerprint_source
-from gradpatch.registry import WIDTH, Patch, elide, format_table
+from gradpatch.patching.fingerprint import Fingerprints, fingerprint_source
+from gradpatch.patching.registry import WIDTH, Patch, elide, format_table
 
 
 def _source_path(module: str) -> str | None:
@@ -54,7 +54,7 @@ def _version(patch: Patch, path: str) -> tuple[str | None, str | None]:
         return None, None
     from importlib.metadata import PackageNotFoundError, distribution
 
-    from gradpatch.activation import split_requirement
+    from gradpatch.patching.activation import split_requirement
 
     name = split_requirement(patch.requires)[0]
     try:
@@ -108,7 +108,7 @@ def _status(patch: Patch) -> dict[str, object]:
 
 
 def _list(args: argparse.Namespace) -> int:
-    from gradpatch.activation import known_patches
+    from gradpatch.patching.activation import known_patches
 
     patches = list(known_patches().values())
     if args.json:
@@ -124,7 +124,7 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def _print_status(args: argparse.Namespace) -> int:
-    from gradpatch.activation import known_patches
+    from gradpatch.patching.activation import known_patches
 
     patches = list(known_patches().values())
     statuses = [_status(p) for p in patches]
@@ -179,11 +179,10 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _policy(text: str) -> str:
-    from gradpatch.budget import check_policy
-    from gradpatch.settings import CHECKPOINT_POLICIES
+    from gradpatch.settings import check_policy
 
     try:
-        return check_policy(text, CHECKPOINT_POLICIES)
+        return check_policy(text)
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
 
@@ -195,6 +194,27 @@ def _doctor(args: argparse.Namespace) -> int:
     from gradpatch.doctor import run_script
 
     run_script(args.script, args.args)
+    return 0
+
+
+def _tradeoff(args: argparse.Namespace) -> int:
+    import importlib
+
+    module, _, name = args.factory.partition(":")
+    sys.path.insert(0, os.getcwd())
+    try:
+        factory = getattr(importlib.import_module(module), name or "step")
+    except (ImportError, AttributeError) as error:
+        print(f"gradpatch tradeoff: cannot load {args.factory!r}: {error}; give MODULE:FACTORY, "
+              f"FACTORY() returning the step function", file=sys.stderr)
+        return 2
+    from gradpatch.checkpointing.tradeoff import tradeoff
+
+    result = tradeoff(factory(), fractions=args.fractions, repeats=args.repeats)
+    print(result)
+    if args.plot:
+        result.plot(args.plot, title=args.factory)
+        print(f"gradpatch tradeoff: plot written to {args.plot}")
     return 0
 
 
@@ -236,6 +256,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     doctor.add_argument("script", nargs="?", help="the training script")
     doctor.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
     doctor.set_defaults(handler=_doctor, parser=doctor)
+    trade = commands.add_parser("tradeoff", help="time and memory of a training step under checkpoint policies",
+                                description="Call FACTORY() from MODULE once; time the step function it returns "
+                                            "under respect, budgets between respect and never, and never; "
+                                            "print a table (and a PNG plot with --plot, which needs matplotlib).",
+                                epilog="example: gradpatch tradeoff mytrain:make_step --plot curve.png")
+    trade.add_argument("factory", metavar="MODULE:FACTORY", help="FACTORY() returns a no-argument training step")
+    trade.add_argument("--fractions", type=float, nargs="+", default=[0.25, 0.5, 0.75],
+                       help="budgets as fractions of the memory gap between respect and never")
+    trade.add_argument("--repeats", type=int, default=5, help="timed steps per policy")
+    trade.add_argument("--plot", metavar="PNG", help="write the curve to this PNG file")
+    trade.set_defaults(handler=_tradeoff)
     args = parser.parse_args(argv)
     if args.version:  # printed as is: argparse's version action wraps it to the terminal's width
         print(_version_line())

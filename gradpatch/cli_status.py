@@ -34,7 +34,7 @@ def activity_line(environ: dict[str, str] | None = None, startup: str | None | b
                   width: int = 100) -> str:
     """One line (at most ``width`` columns): whether a Python process started from this environment
     is patched, and how. ``startup``: the start-up file's path, ``None`` for none, ``True`` to look."""
-    from gradpatch.registry import elide
+    from gradpatch.patching.registry import elide
 
     environ = dict(os.environ) if environ is None else environ
     path = startup_file() if startup is True else startup or None

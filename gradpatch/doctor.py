@@ -23,9 +23,9 @@ from typing import Iterator
 import torch
 import torch.utils.checkpoint
 
-from gradpatch import activation
 from gradpatch._doctor_watch import Watch, watching
-from gradpatch.fingerprint import Fingerprints
+from gradpatch.patching import activation
+from gradpatch.patching.fingerprint import Fingerprints
 
 _REMEDY = "run with GRADPATCH=1 (or call gradpatch.apply() before the model is built)"
 
@@ -65,7 +65,7 @@ def _remedy(module_name: str) -> str:
     if patch is None:
         return (f"{module_name} is not code gradpatch patches: pass use_reentrant=False to "
                 "torch.utils.checkpoint.checkpoint there, or bind "
-                "gradpatch.fixes.checkpoint.non_reentrant(torch.utils.checkpoint.checkpoint) in its place")
+                "gradpatch.checkpointing.checkpoint.non_reentrant(torch.utils.checkpoint.checkpoint) in its place")
     record = next((r for r in activation.report() if r.patch == patch.name), None)
     if record is not None and patch.name in activation._wanted:
         return (f"gradpatch's {patch.name!r} is active here but not in effect ({record.status.value}: "
@@ -186,7 +186,7 @@ def _reentrant_findings(model: torch.nn.Module, watch: Watch | None, missing, ex
                     if not call.inputs_require_grad else "it does not support autograd.grad or backward(inputs=)"))
         remedy = ("pass use_reentrant=False there (transformers/diffusers: gradient_checkpointing_enable("
                   "gradient_checkpointing_kwargs={'use_reentrant': False})), or bind "
-                  "gradpatch.fixes.checkpoint.non_reentrant(torch.utils.checkpoint.checkpoint) in its place")
+                  "gradpatch.checkpointing.checkpoint.non_reentrant(torch.utils.checkpoint.checkpoint) in its place")
         findings.append(Finding(f"{path or '<root>'} ({type(module).__name__})", names, cause, remedy))
     return findings
 
@@ -254,11 +254,12 @@ def explain_grads(model: torch.nn.Module, error: BaseException | None = None,
 def checkpoint_plan_text(*models: torch.nn.Module) -> str:
     """The ``budget:<size>`` checkpoint policy's plan for the blocks of ``models`` (of every model if
     none): one table each; ``""`` under another policy."""
-    from gradpatch import budget, settings
+    from gradpatch.checkpointing import plan as budget
 
+    from gradpatch import settings
     if not budget.is_budget(settings.checkpoint_policy):
         return ""
-    from gradpatch.fixes.checkpoint_budget import checkpoint_plan
+    from gradpatch.checkpointing.budget import checkpoint_plan
 
     plans = [checkpoint_plan(model) for model in models] if models else [checkpoint_plan()]
     return "\n".join(str(plan) for plan in plans if plan)

@@ -9,7 +9,7 @@
 ``GRADPATCH_CHECKPOINT`` ``respect`` (default), ``always``, ``never`` or ``budget:<size>`` (``budget:2GiB``).
 ``GRADPATCH_LOG``        a :mod:`logging` level name or number for the ``gradpatch`` logger.
 ``GRADPATCH_SCAN``       ``0`` (or another off value): do not look for copies of known-broken code at
-                         undeclared paths (:mod:`gradpatch.scan`); on by default.
+                         undeclared paths (:mod:`gradpatch.patching.scan`); on by default.
 
 :func:`read` never warns and never raises: a bad value is ignored and described in
 ``Environment.problems``, which the caller reports once it knows whether it is strict (so

@@ -9,7 +9,9 @@ not by assignment. This module must never import torch.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
+import re
 import threading
 from contextvars import ContextVar
 from typing import Any, Iterator
@@ -21,7 +23,7 @@ CHECKPOINT_POLICIES = ("respect", "always", "never")
 #: caller passed ``flag=False``, ``"never"`` runs ``func`` directly (faster, more memory).
 #: ``"budget:<size>"`` (``"budget:512MiB"``) keeps, among the blocks the caller asks to recompute,
 #: those that save the most time while keeping at most ``<size>`` bytes more activations than
-#: recomputing all of them (:mod:`gradpatch.fixes.checkpoint_budget`).
+#: recomputing all of them (:mod:`gradpatch.checkpointing.budget`).
 checkpoint_policy = "respect"
 
 #: Raise :class:`gradpatch.GradpatchError` instead of warning (``apply(strict=True)``,
@@ -72,15 +74,68 @@ def check_policy(policy: str) -> str:
     ``ValueError`` saying what is accepted for anything else."""
     if policy in CHECKPOINT_POLICIES:
         return policy
-    from gradpatch.budget import check_policy as check_with_budget
+    return _check_budget(policy, CHECKPOINT_POLICIES)
 
-    return check_with_budget(policy, CHECKPOINT_POLICIES)
+
+# --- budget:<size> ---------------------------------------------------------------------------------
+# ``<size>`` is a number of bytes with an optional unit: ``B``; decimal ``kB``, ``MB``, ``GB``, ``TB``
+# (powers of 1000); binary ``KiB``, ``MiB``, ``GiB``, ``TiB`` (powers of 1024). Units are case-insensitive,
+# since ``GRADPATCH_CHECKPOINT`` is read lower-cased; the number may be a decimal or in exponent form
+# (``1.5e9``, ``0.5GiB``). Fractions of a byte are dropped.
+
+PREFIX = "budget:"
+EXAMPLE = "budget:512MiB"
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_SIZE = re.compile(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*", re.IGNORECASE)
+
+
+def is_budget(policy: str) -> bool:
+    return policy[:len(PREFIX)].lower() == PREFIX
+
+
+@functools.lru_cache(maxsize=64)
+def parse_size(text: str) -> int:
+    """Bytes meant by ``text`` (``"512MiB"``, ``"2GB"``, ``"1.5e9"``); ``ValueError`` with the reason
+    and the accepted forms otherwise."""
+    match = _SIZE.fullmatch(text)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise ValueError(f"{text!r} is not a size: write bytes with an optional unit (B, kB, MB, GB, "
+                         f"KiB, MiB, GiB), as in {EXAMPLE}, budget:2GB or budget:1.5e9")
+    value = float(match.group(1)) * _UNITS[unit]
+    if value >= 2**63:
+        raise ValueError(f"{text!r} is too large a size; at most 8 EiB")
+    return int(value)
+
+
+def budget_bytes(policy: str) -> int:
+    """The size in a ``budget:<size>`` policy."""
+    return parse_size(policy[len(PREFIX):])
+
+
+def _check_budget(policy: object, choices: tuple[str, ...]) -> str:
+    """``policy``, stripped, if it is one of ``choices`` or a valid ``budget:<size>``; otherwise
+    ``ValueError`` saying what is accepted."""
+    if isinstance(policy, str):
+        text = policy.strip()
+        if text in choices:
+            return text
+        if is_budget(text):
+            try:
+                budget_bytes(text)
+            except ValueError as error:
+                raise ValueError(f"checkpoint policy {policy!r}: {error}") from None
+            return PREFIX + text[len(PREFIX):].strip()
+    raise ValueError(f"unknown checkpoint policy {policy!r}; use one of {', '.join(choices)} "
+                     f"or budget:<size> ({EXAMPLE})")
 
 
 def set_checkpoint_policy(policy: str) -> str:
     """Set the process-wide checkpoint policy; return the previous one. Takes effect on the next call,
     except in contexts inside a :func:`checkpoint_policy_scope`, which keep their scope's policy.
-    ``"budget:<size>"`` plans which blocks to recompute (:mod:`gradpatch.budget`)."""
+    ``"budget:<size>"`` plans which blocks to recompute (:mod:`gradpatch.checkpointing.plan`)."""
     return _set_process_wide("checkpoint_policy", check_policy(policy))
 
 

@@ -3,11 +3,11 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from gradpatch.families import AutogradFunctionShape, Family, FunctionShape, Member
-from gradpatch.fingerprint import IsObject
-from gradpatch.registry import Patch
+from gradpatch.patching.families import AutogradFunctionShape, Family, FunctionShape, Member
+from gradpatch.patching.fingerprint import IsObject
+from gradpatch.patching.registry import Patch
 
-_FIX = "gradpatch.fixes.checkpoint"
+_FIX = "gradpatch.checkpointing.checkpoint"
 _SUMMARY = "fixed checkpoint: frozen params, None inputs, dropout RNG, autocast, double backward"
 _PAIR = ("checkpoint", "CheckpointFunction")
 _MIXED = _PAIR + ("mixed_checkpoint", "MixedCheckpointFunction")

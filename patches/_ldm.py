@@ -1,58 +1,53 @@
 """Declaring the latent-diffusion family's sampling fixes (no logic, no torch).
 
-A target is ``(target, role, known)`` or ``(target, role, known, fixed)``: ``"module:Class.method"``,
-one of the roles below (the fix factories of :mod:`gradpatch.fixes.ldm_sampling` and
-:mod:`gradpatch.fixes.ldm_guards`, documented there; a fix factory of your own is named by its dotted
-``"module:factory"`` path, e.g. one built with ``ldm_sampling.step_factory``),
-the fingerprints of that method, each with its provenance, and optionally fingerprints of versions
-already fixed upstream (left alone, reported as such). Each target becomes one :class:`~gradpatch.registry.Patch` named
-``"<upstream>.<Class>.<method>"`` and recognised by its own fingerprint, so an edited method is left
-alone (with a warning) while its siblings are patched. ``LIFTED`` targets are recognised with
-:class:`gradpatch.lift.Liftable` (the fingerprint of the source the loaded code object points at).
+Every known version of every method is declared once, with its role, in :mod:`._ldm_samplers` and
+:mod:`._ldm_models`; the roles (:mod:`._ldm_roles`) name the fix factories of
+:mod:`gradpatch.sampling.ldm`, :mod:`gradpatch.sampling.ldm_guards` and
+:mod:`gradpatch.sampling.ldm_dpm_solver`, documented there. A codebase declares only where its classes
+live and which of the family's methods each defines::
+
+    ldm_sampling("audioldm2", {
+        "audioldm2.latent_diffusion.models.ddim:DDIMSampler": "sample encode decode ddim_sampling ...",
+        "audioldm2.latent_diffusion.models.ddpm:LatentDiffusion": "sample decode_first_stage:lifted ...",
+    }, requires="audioldm2<1")
+
+Each method becomes one :class:`~gradpatch.patching.registry.Patch` named ``"<upstream>.<Class>.<method>"``,
+recognised by every known version of that method (wherever it was found first), so an edited method is
+left alone (with a warning) while its siblings are patched. ``:lifted`` selects the versions whose body
+holds an in-body ``no_grad`` (recognised with :class:`gradpatch.sampling.lift.Liftable`: the fingerprint
+of the source the loaded code object points at).
 """
 from __future__ import annotations
 
-from typing import Iterable, Mapping
+from typing import Mapping
 
-from gradpatch.fingerprint import Fingerprints
-from gradpatch.lift import Liftable
-from gradpatch.registry import Patch
+from gradpatch.patching.fingerprint import Fingerprints
+from gradpatch.patching.registry import Patch
+from gradpatch.sampling.lift import Liftable
 
-_FIX = "gradpatch.fixes.ldm_sampling"
-_GUARDS = "gradpatch.fixes.ldm_guards"
+from ._ldm_models import MODELS
+from ._ldm_roles import FIXES, LIFTED, SOLVER, SUMMARIES
+from ._ldm_samplers import SAMPLERS
 
-ENTRY = "entry"
-LIFTED = "lifted_entry"
-INNER = "inner"
-STEP_BY_INDEX = "step_by_index"
-STEP_BY_TIMESTEP = "step_by_timestep"
-REFUSE = "refuse_cache_false"
-EMA = "guard_ema_scope"
-DEVICE = "buffers_follow_model"
-
-SUMMARIES = {
-    ENTRY: "cache=False: gradients through the undecorated call, caller's mode kept; grad_steps, checkpoint_steps",
-    LIFTED: "cache=False: gradients through a copy with its in-body no_grad lifted; grad_steps, checkpoint_steps",
-    INNER: "runs undecorated inside a cache=False call",
-    STEP_BY_INDEX: "runs undecorated inside a cache=False call; one sampling step (index = steps left)",
-    STEP_BY_TIMESTEP: "runs undecorated inside a cache=False call; one sampling step (t = steps left)",
-    REFUSE: "cache=False refused (ends in numpy, inside ema_scope); points at sample_log + decode_first_stage",
-    EMA: "ema_scope refused during cache=False sampling; graphs across a weight swap raise in backward",
-    DEVICE: "sampler buffers on the model's device instead of forced CUDA (works on CPU)",
-}
+VERSIONS = {**SAMPLERS, **MODELS}
 
 
-def ldm_sampling(upstream: str, targets: Iterable[tuple], *, requires: str | None = None) -> list[Patch]:
-    """One :class:`Patch` per ``(target, role, known[, fixed])``; see the module docstring."""
+def ldm_sampling(upstream: str, classes: Mapping[str, str], *, requires: str | None = None) -> list[Patch]:
+    """One :class:`Patch` per method that ``classes`` (``"module:Class"`` -> ``"method method:lifted ..."``)
+    names; see the module docstring."""
     patches = []
-    for target, role, known, *rest in targets:
-        if role not in SUMMARIES and ":" not in role:
-            raise ValueError(f"unknown role {role!r} for {target}; use one of {sorted(SUMMARIES)} "
-                             "or a 'module:factory' path")
-        fixed = dict(rest[0]) if rest else {}
-        recognise = Liftable(dict(known), fixed) if role == LIFTED else Fingerprints(dict(known), fixed)
-        qualname = target.partition(":")[2]
-        fix = role if ":" in role else f"{_GUARDS if role in (REFUSE, EMA, DEVICE) else _FIX}:{role}"
-        summary = SUMMARIES.get(role, f"latent-diffusion sampling fix {role.rpartition(':')[2]}")
-        patches.append(Patch(f"{upstream}.{qualname}", target, fix, recognise, upstream, summary, requires))
+    for where, methods in classes.items():
+        module, _, cls = where.partition(":")
+        for method in methods.split():
+            name, _, variant = method.partition(":")
+            key = f"{cls}.{name}" + (f":{variant}" if variant else "")
+            if key not in VERSIONS:
+                raise ValueError(f"{upstream}: no known versions of {key!r}; declare them in "
+                                 "patches/_ldm_samplers.py or patches/_ldm_models.py")
+            role, known, *fixed = VERSIONS[key]
+            liftable = role in (LIFTED, SOLVER)
+            recognise = (Liftable if liftable else Fingerprints)(dict(known), dict(fixed[0]) if fixed else {})
+            qualname = f"{cls}.{name}"
+            patches.append(Patch(f"{upstream}.{qualname}", f"{module}:{qualname}", f"{FIXES[role]}:{role}",
+                                 recognise, upstream, SUMMARIES[role], requires))
     return patches

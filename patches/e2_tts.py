@@ -4,7 +4,7 @@ differentiated.
 Every release (0.0.1 to 2.2.2) decorates ``e2_tts_pytorch.e2_tts.E2TTS.sample`` with
 ``@torch.no_grad()``, calls ``self.eval()`` without restoring the caller's mode and integrates with the
 module global ``odeint`` (torchdiffeq; default method ``midpoint``). The fix is F5-TTS's (see
-``patches/f5_tts.py`` and ``gradpatch/fixes/sampling.py``): ``sample(..., cache=True, *,
+``patches/f5_tts.py`` and ``gradpatch/sampling/runner.py``): ``sample(..., cache=True, *,
 grad_steps=None, checkpoint_steps=False)``, where ``cache=True`` is the original method and
 ``cache=False`` the undecorated body with grad on and the caller's train/eval mode kept. E2's
 transformer has no text cache, so ``cache`` only selects the mode. ``grad_steps=K`` counts solver
@@ -14,10 +14,10 @@ step). ``cfg_null_model`` (autoguidance) is evaluated as given; its mode is not 
 Fingerprints cover every PyPI release (25 distinct ``sample`` definitions); the in-process tests run
 2.2.2. Pass ``use_vocos=False`` (or a vocoder of your own) to avoid downloading Vocos.
 """
-from gradpatch.fingerprint import Fingerprints, has_parameter
-from gradpatch.registry import Patch
+from gradpatch.patching.fingerprint import Fingerprints, has_parameter
+from gradpatch.patching.registry import Patch
 
-_SAMPLING = "gradpatch.fixes.sampling"
+_SAMPLING = "gradpatch.sampling.runner"
 
 SAMPLE = Fingerprints(
     known={

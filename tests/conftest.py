@@ -39,8 +39,8 @@ def checkpoint(x):
 '''
 
 FAKE_PLUGIN = '''
-from gradpatch.fingerprint import Fingerprints
-from gradpatch.registry import Patch
+from gradpatch.patching.fingerprint import Fingerprints
+from gradpatch.patching.registry import Patch
 
 def fix(original):
     def checkpoint(x):
@@ -69,7 +69,7 @@ def fake_upstream(tmp_path: Path) -> Path:
     fingerprint is unknown; ``fakebroken`` has known code but a fix that raises; ``fakeraise``
     raises on import. Each package's ``__init__`` and a ``user`` module rebind ``checkpoint``.
     """
-    from gradpatch.fingerprint import fingerprint_source
+    from gradpatch.patching.fingerprint import fingerprint_source
 
     known = fingerprint_source(FAKE_UTIL, ["checkpoint"])
     for name, util in [("fakeup", FAKE_UTIL), ("fakebroken", FAKE_UTIL),

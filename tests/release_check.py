@@ -17,7 +17,7 @@ def switch_to(root: str, package: str) -> None:
         del sys.modules[name]
     sys.path.insert(0, root)
     importlib.invalidate_caches()
-    from gradpatch import activation  # the engine caches installed versions per process
+    from gradpatch.patching import activation  # the engine caches installed versions per process
 
     activation._installed_version.cache_clear()
 

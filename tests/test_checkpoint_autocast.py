@@ -15,8 +15,8 @@ import torch
 from torch.testing import assert_close
 
 import gradpatch
-from gradpatch.fixes import checkpoint as fixed
-from gradpatch.fixes import checkpoint_budget as planner
+from gradpatch.checkpointing import _paths, checkpoint as fixed
+from gradpatch.checkpointing import budget as planner
 from test_checkpoint_upstream import TARGETS, assert_grads_equal, build, freeze, install
 
 AUDIOLDM = TARGETS["audioldm"]
@@ -167,7 +167,7 @@ def test_cuda_data_parallel_replicas_frozen_subset(monkeypatch, deterministic_cu
     freeze(model, AUDIOLDM, "cross-attention-only")
     parallel = torch.nn.DataParallel(model, device_ids=devices)
     replicas_routed = []
-    graph_path = fixed._graph_path
+    graph_path = _paths._graph_path
 
     def counting_graph_path(func, args, kwargs):
         owner = getattr(func, "__self__", None)
@@ -190,6 +190,6 @@ def test_cuda_data_parallel_replicas_frozen_subset(monkeypatch, deterministic_cu
         one_step(model)  # upstream V1
     with monkeypatch.context() as mp:
         install(mp, AUDIOLDM, "fixed")
-        mp.setattr(fixed, "_graph_path", counting_graph_path)
+        mp.setattr(_paths, "_graph_path", counting_graph_path)
         assert_close_scaled(one_step(model), want, rtol=1e-5)
     assert replicas_routed and all(replicas_routed), replicas_routed

@@ -13,7 +13,7 @@ SCRIPT = '''
 import json, warnings
 import torch, torch.nn as nn
 from gradpatch import settings
-from gradpatch.fixes.checkpoint import checkpoint
+from gradpatch.checkpointing.checkpoint import checkpoint
 
 class Block(nn.Module):
     def __init__(self):

@@ -1,4 +1,4 @@
-"""Unit properties of gradpatch.fixes.checkpoint on small torch modules.
+"""Unit properties of gradpatch.checkpointing.checkpoint on small torch modules.
 
 Every property is checked against the same computation without any checkpoint (the reference), at
 rtol=1e-5: the gradient of every parameter that should get one, and ``None`` for frozen ones. Both
@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from torch.testing import assert_close
 
 from gradpatch import settings
-from gradpatch.fixes import _compat, _recompute
-from gradpatch.fixes import checkpoint as ck
+from gradpatch.checkpointing import _compat, _paths, _recompute
+from gradpatch.checkpointing import checkpoint as ck
 
 torch.set_num_threads(1)
 TOL = dict(rtol=1e-5, atol=1e-6)
@@ -89,7 +89,7 @@ def run(model: nn.Module, impl: Callable, x: torch.Tensor, context=None, seed: i
 def paths(monkeypatch):
     """Count calls of each implementation path."""
     counts = {"fast": 0, "graph": 0}
-    fast_apply, graph = _recompute._Recompute.apply, ck._graph_path
+    fast_apply, graph = _recompute._Recompute.apply, _paths._graph_path
 
     def counting_fast(*a):
         counts["fast"] += 1
@@ -100,7 +100,7 @@ def paths(monkeypatch):
         return graph(*a)
 
     monkeypatch.setattr(_recompute._Recompute, "apply", counting_fast)
-    monkeypatch.setattr(ck, "_graph_path", counting_graph)
+    monkeypatch.setattr(_paths, "_graph_path", counting_graph)
     return counts
 
 

@@ -16,7 +16,7 @@ from torch.func import functional_call, grad, hessian, jacrev, jvp, vjp, vmap
 from torch.testing import assert_close
 
 from gradpatch import settings
-from gradpatch.fixes import checkpoint as ck
+from gradpatch.checkpointing import checkpoint as ck
 
 torch.set_num_threads(1)
 TOL = dict(rtol=1e-10, atol=1e-12)

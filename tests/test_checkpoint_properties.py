@@ -6,7 +6,7 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from gradpatch.fixes.checkpoint import checkpoint
+from gradpatch.checkpointing.checkpoint import checkpoint
 
 LAYERS = {
     "linear": lambda: torch.nn.Linear(8, 8),

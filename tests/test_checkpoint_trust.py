@@ -25,8 +25,8 @@ from torch.testing import assert_close
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from conftest import ROOT, last_json
-from gradpatch.fixes import _compat
-from gradpatch.fixes import checkpoint as ck
+from gradpatch.checkpointing import _compat
+from gradpatch.checkpointing import checkpoint as ck
 
 torch.set_num_threads(1)
 TOL = dict(rtol=1e-5, atol=1e-7)

@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 from torch.testing import assert_close
 
-from gradpatch.fixes import checkpoint as ck
+from gradpatch.checkpointing import checkpoint as ck
 
 torch.set_num_threads(1)
 TOL = dict(rtol=1e-5, atol=1e-6)

@@ -9,8 +9,8 @@ import textwrap
 
 import pytest
 
-from gradpatch.definitions import definition_of
-from gradpatch.fingerprint import Fingerprints, fingerprint_source
+from gradpatch.patching.definitions import definition_of
+from gradpatch.patching.fingerprint import Fingerprints, fingerprint_source
 
 SOURCE = '''
 import functools as ft

@@ -36,9 +36,9 @@ import gradpatch  # noqa: E402
 from conftest import (BackgroundCheck, Interleaved, assert_grads_equal, pypi_release, pypi_wheels,  # noqa: E402
                       upstream_method)
 from gradpatch.testing import f5_cfm, f5_inputs  # noqa: E402
-from gradpatch.fingerprint import fingerprint_module, fingerprint_source  # noqa: E402
-from gradpatch.fixes import sampling  # noqa: E402
-from gradpatch.activation import known_patches  # noqa: E402
+from gradpatch.patching.fingerprint import fingerprint_module, fingerprint_source  # noqa: E402
+from gradpatch.sampling import runner as sampling  # noqa: E402
+from gradpatch.patching.activation import known_patches  # noqa: E402
 
 from f5_tts.model import CFM, DiT, MMDiT, UNetT  # noqa: E402
 from f5_tts.model import cfm as cfm_module  # noqa: E402

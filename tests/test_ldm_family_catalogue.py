@@ -18,10 +18,10 @@ torch = pytest.importorskip("torch")
 
 import gradpatch  # noqa: E402
 from conftest import pypi_release, run_python  # noqa: E402
-from gradpatch import catalogue  # noqa: E402
-from gradpatch.activation import known_patches  # noqa: E402
-from gradpatch.fingerprint import fingerprint_source  # noqa: E402
-from gradpatch.fixes.diffusers import NotDifferentiableError  # noqa: E402
+from gradpatch.patching import catalogue  # noqa: E402
+from gradpatch.patching.activation import known_patches  # noqa: E402
+from gradpatch.patching.fingerprint import fingerprint_source  # noqa: E402
+from gradpatch.sampling.diffusers import NotDifferentiableError  # noqa: E402
 from gradpatch.testing_ldm import LATENT, audioldm2_model, sdkit_model  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -189,7 +189,7 @@ def test_no_decorated_method_of_the_model_is_left_unpatched(upstream):
     patch replaced (Lightning's export helpers aside): here there is none."""
     import warnings
 
-    from gradpatch.fixes import ldm_sampling
+    from gradpatch.sampling import ldm as ldm_sampling
 
     model, cond, _ = sdkit_model() if upstream == "ldm" else audioldm2_model(upstream)
     ldm_sampling._checked.discard(type(model))

@@ -1,4 +1,4 @@
-"""Lifting an in-body ``with torch.no_grad():`` (gradpatch.lift) on small functions and on a real
+"""Lifting an in-body ``with torch.no_grad():`` (gradpatch.sampling.lift) on small functions and on a real
 upstream method (audioldm2's ``decode_first_stage``, when audioldm2 imports)."""
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ torch = pytest.importorskip("torch")
 
 import gradpatch  # noqa: E402
 from gradpatch.errors import UnknownCodeWarning  # noqa: E402
-from gradpatch.fingerprint import fingerprint_module  # noqa: E402
-from gradpatch.lift import Liftable, LiftError, function_fingerprint, lift_no_grad  # noqa: E402
-from gradpatch.registry import Patch  # noqa: E402
+from gradpatch.patching.fingerprint import fingerprint_module  # noqa: E402
+from gradpatch.sampling.lift import Liftable, LiftError, function_fingerprint, lift_no_grad  # noqa: E402
+from gradpatch.patching.registry import Patch  # noqa: E402
 
 SOURCE = '''
 import torch as th
@@ -86,8 +86,11 @@ def test_lifted_copy_keeps_closure_defaults_and_metadata(module):
     assert (lifted.__qualname__, lifted.__module__, lifted.__doc__) == (raw.__qualname__, "liftee", raw.__doc__)
     assert lifted.__globals__ is module.__dict__
     assert lifted.__code__.co_filename == raw.__code__.co_filename
-    assert lift_no_grad(Model.forward) is lifted  # cached per code object
-    assert lift_no_grad(module.make(torch.tensor(5.0)).forward) is lifted  # hence one closure: the first's
+    assert lift_no_grad(Model.forward) is lifted  # cached per function
+    Five = module.make(torch.tensor(5.0))
+    other = lift_no_grad(Five.forward)  # another closure of the same code
+    assert other is not lifted and other.__code__ is lifted.__code__  # compiled once
+    assert other(Five(), torch.ones(3)).tolist() == [16.0] * 3  # its own cells (k=5), not the first's
     module.OFFSET = 10.0  # the same globals: later rebinding is seen
     assert lifted(Model(), torch.zeros(1)).item() == 10.0
 
@@ -123,9 +126,9 @@ def test_liftable_recogniser(module):
 
 
 def test_an_unknown_liftable_target_is_skipped_and_recorded(module, monkeypatch):
-    from gradpatch import activation
+    from gradpatch.patching import activation
 
-    patch = Patch("liftee.top", "liftee:top", "gradpatch.fixes.ldm_sampling:lifted_entry",
+    patch = Patch("liftee.top", "liftee:top", "gradpatch.sampling.ldm:lifted_entry",
                   Liftable({"0" * 16: "v1"}), "liftee", "lifted")
     monkeypatch.setitem(activation.known_patches(), "liftee.top", patch)
     with warnings.catch_warnings(record=True) as caught:
@@ -155,11 +158,11 @@ def test_real_audioldm2_decode_first_stage():
 def test_lifted_entry_patch_end_to_end(module, monkeypatch):
     """A ``lifted_entry`` declared with ``Liftable``: applied and reported; cache=True is the original
     (no graph), cache=False the lifted copy (gradients reach the weights); revert restores."""
-    from gradpatch import activation
+    from gradpatch.patching import activation
 
     original = vars(module.FirstStage)["decode_first_stage"]
     known = {function_fingerprint(original): "liftee 1.0"}
-    patch = Patch("liftee.decode", "liftee:FirstStage.decode_first_stage", "gradpatch.fixes.ldm_sampling:lifted_entry",
+    patch = Patch("liftee.decode", "liftee:FirstStage.decode_first_stage", "gradpatch.sampling.ldm:lifted_entry",
                   Liftable(known), "liftee", "lifted")
     monkeypatch.setitem(activation.known_patches(), "liftee.decode", patch)
     stage, z = module.FirstStage(), torch.randn(2, 3)

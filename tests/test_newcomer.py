@@ -89,8 +89,8 @@ def test_the_license_ships_and_the_sdist_holds_what_make_demo_and_the_tests_need
 # --- warnings: one each, pointing at the user's line ----------------------------------------------------
 
 TWO_ON_ONE_MODULE = '''
-from gradpatch.fingerprint import Fingerprints
-from gradpatch.registry import Patch
+from gradpatch.patching.fingerprint import Fingerprints
+from gradpatch.patching.registry import Patch
 
 def fix(original):
     return original

@@ -26,7 +26,7 @@ def built(tmp_path_factory) -> dict[str, Path]:
 
 def test_wheel_ships_the_catalogue_and_the_startup_files(built):
     names = set(zipfile.ZipFile(built["wheel"]).namelist())
-    assert {"gradpatch.pth", "gradpatch.start", "gradpatch/__init__.py", "gradpatch/fixes/checkpoint.py",
+    assert {"gradpatch.pth", "gradpatch.start", "gradpatch/__init__.py", "gradpatch/checkpointing/checkpoint.py",
             "gradpatch/patches/__init__.py", "gradpatch/patches/audioldm.py"} <= names
     assert not any(name.startswith(("tests/", "patches/", "startup/")) for name in names)
     sdist = {Path(n).relative_to(Path(n).parts[0]).as_posix() for n in tarfile.open(built["sdist"]).getnames()[1:]}

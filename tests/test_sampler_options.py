@@ -12,7 +12,7 @@ pytest.importorskip("f5_tts")
 pytest.importorskip("diffusers")
 
 import gradpatch  # noqa: E402
-from gradpatch.fixes.options import SamplingOptions  # noqa: E402
+from gradpatch.sampling.options import SamplingOptions  # noqa: E402
 from gradpatch.testing import f5_cfm, f5_inputs, stable_diffusion_pipeline  # noqa: E402
 
 

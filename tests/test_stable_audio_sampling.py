@@ -278,8 +278,8 @@ def test_0_0_20_sample_diffusion(releases, sampler_type):
 
 
 def test_0_0_20_records_and_the_silent_keyword(releases):
-    from gradpatch.activation import known_patches
-    from gradpatch.fingerprint import fingerprint_source
+    from gradpatch.patching.activation import known_patches
+    from gradpatch.patching.fingerprint import fingerprint_source
 
     path, result = releases.result("0.0.20")
     known = known_patches()["stable_audio_tools.sample_diffusion"].recognise.known

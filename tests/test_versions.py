@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from packaging.specifiers import SpecifierSet
 
-from gradpatch.activation import _contains, split_requirement
+from gradpatch.patching.activation import _contains, split_requirement
 
 versions = st.builds(lambda a, b, c, tail: f"{a}.{b}.{c}{tail}", st.integers(0, 3), st.integers(0, 3),
                      st.integers(0, 2), st.sampled_from(["", "rc1", "a2", ".post1", ".dev0", "b1"]))

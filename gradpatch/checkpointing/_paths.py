@@ -1,0 +1,54 @@
+"""Choosing, per call, between the fast path (:mod:`gradpatch.checkpointing._recompute`) and the
+graph path (:mod:`gradpatch.checkpointing._graph_path`), and remembering the functions that needed
+the graph path once. Every policy that recomputes ends here: ``checkpoint()`` directly, the
+``budget:<size>`` plan for the blocks it recomputes.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable
+
+import torch
+
+from gradpatch.checkpointing._compat import is_compiling
+from gradpatch.checkpointing._graph_path import graph_path as _graph_path
+from gradpatch.checkpointing._recompute import ESCAPED, attempt
+from gradpatch.checkpointing._sharding import sharded_inside
+
+# Functions that took the graph path once: module -> {function}, or code object -> {None}. Weak
+# keys: a module or code object that goes away takes its entry with it; nothing else is held.
+_ESCAPED: weakref.WeakKeyDictionary[Any, set] = weakref.WeakKeyDictionary()
+
+
+def run(func: Callable[..., Any], args: tuple, kwargs: dict | None) -> Any:
+    """``func(*args, **kwargs)``, recomputed in backward by the fast path, or by the graph path where
+    the fast path cannot serve this call (or could not serve this function before)."""
+    if is_compiling():
+        return _graph_path(func, args, kwargs)
+    owner, tag = _escape_key(func)
+    if isinstance(owner, torch.nn.Module) and owner.__dict__.get("_is_replica"):
+        return _graph_path(func, args, kwargs)  # DataParallel: parameters computed in another thread
+    if sharded_inside(func):  # FSDP2/FSDP1/ZeRO-3 hooks inside: recompute within the graph
+        return _graph_path(func, args, kwargs, rebind=False)
+    try:
+        escaped = tag in _ESCAPED.get(owner, ())
+    except TypeError:  # not weak-referenceable: nothing is remembered
+        escaped = False
+    if not escaped:
+        out = attempt(func, args, kwargs)
+        if out is not ESCAPED:
+            return out
+        try:
+            _ESCAPED.setdefault(owner, set()).add(tag)
+        except TypeError:
+            pass
+    return _graph_path(func, args, kwargs)
+
+
+def _escape_key(func: Callable[..., Any]) -> tuple[Any, Any]:
+    """(module, function) for methods of modules (upstream's ``self._forward``); otherwise (code or
+    callable, None): closures of one code may differ, and the graph path is right for all."""
+    owner = getattr(func, "__self__", None)
+    if isinstance(owner, torch.nn.Module) and hasattr(func, "__func__"):
+        return owner, func.__func__
+    return getattr(func, "__code__", func), None

@@ -1,0 +1,120 @@
+"""Families: known-broken definitions recognised wherever a codebase copied them.
+
+A :class:`Family` is declared once (``patches/_families.py``): the definition names its members go
+by, what each member looks like (its *shape*), the fingerprints of every known version of the
+definitions hashed together, and the fix of each member. The same declaration builds the patches
+of the paths a codebase is known to use (:meth:`Family.patches`, with their provenance and version
+ranges) and is what :mod:`gradpatch.patching.scan` looks for in every other imported module.
+
+A shape tells a member from unrelated code that happens to use the same name:
+``torch.utils.checkpoint`` defines ``checkpoint`` and ``CheckpointFunction`` too, with other
+signatures. Shapes read code objects only: no ``inspect``, no torch. This module is imported at
+interpreter start (under ``GRADPATCH=1``) and must stay cheap.
+"""
+from __future__ import annotations
+
+from typing import Mapping, NamedTuple, Sequence
+
+from gradpatch.patching.fingerprint import Fingerprints
+from gradpatch.patching.registry import Patch
+
+_VARARGS = 0x04  # inspect.CO_VARARGS
+
+
+def _positional(function: object) -> tuple[tuple[str, ...], bool] | None:
+    """``(positional parameter names, takes *args)`` of a plain function (through staticmethod and
+    ``functools.wraps`` layers: a copy wrapped by a decorator or an import hook, such as jaxtyping's,
+    keeps its shape, and is then reported as not the module's own definition), or None for anything
+    else."""
+    for _ in range(4):
+        inner = getattr(function, "__func__", None) or getattr(function, "__wrapped__", None)
+        if inner is None:
+            code = getattr(function, "__code__", None)
+            return None if code is None else (code.co_varnames[:code.co_argcount], bool(code.co_flags & _VARARGS))
+        function = inner
+    return None
+
+
+class FunctionShape(NamedTuple):
+    """A plain function whose positional parameters begin with ``parameters``."""
+
+    parameters: tuple[str, ...]
+
+    def matches(self, obj: object) -> bool:
+        found = _positional(obj) if type(obj).__name__ == "function" else None
+        return found is not None and found[0][:len(self.parameters)] == self.parameters
+
+
+class AutogradFunctionShape(NamedTuple):
+    """A ``torch.autograd.Function`` subclass whose ``forward`` takes exactly ``forward`` then
+    ``*args`` (the class's MRO is read by name: torch is never imported here)."""
+
+    forward: tuple[str, ...]
+
+    def matches(self, obj: object) -> bool:
+        if not isinstance(obj, type) or not any(
+                base.__name__ == "Function" and base.__module__.startswith("torch.autograd")
+                for base in obj.__mro__[1:]):
+            return False
+        return _positional(vars(obj).get("forward")) == (self.forward, True)
+
+
+class Member(NamedTuple):
+    """One definition of a family: its ``name``, its ``shape``, and ``fix`` (``"module:factory"``,
+    as in :class:`~gradpatch.patching.registry.Patch`), or None for a definition that is hashed with the
+    others but never replaced (its callers are). ``marks_copy``: a module defining this member
+    alone, in its shape, holds a copy (e.g. ``CheckpointFunction`` whose ``checkpoint`` was rebound);
+    otherwise a module holds one when it defines every member of a fingerprinted set."""
+
+    name: str
+    shape: FunctionShape | AutogradFunctionShape
+    fix: str | None = None
+    summary: str = ""
+    marks_copy: bool = False
+
+
+class Family(NamedTuple):
+    """Known-broken definitions copied between codebases, recognised by fingerprint at any path.
+
+    ``fingerprints`` pairs each set of member names hashed together with the fingerprints of their
+    known versions (fingerprint -> variant label); a module is identified by the largest set it
+    defines. Callers are reached as for every patch: a module global still holding a replaced
+    original (``from util import checkpoint`` copied the name) is pointed at the fix.
+    """
+
+    name: str
+    members: tuple[Member, ...]
+    fingerprints: tuple[tuple[tuple[str, ...], Mapping[str, str]], ...]
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(member.name for member in self.members)
+
+    def is_copy(self, shaped: Sequence[str]) -> bool:
+        """Whether a module whose own definitions ``shaped`` have their members' shapes holds a
+        copy of the family (changed or not) rather than unrelated code sharing a name."""
+        return any(m.marks_copy and m.name in shaped for m in self.members) or any(
+            set(over) <= set(shaped) for over, _ in self.fingerprints)
+
+    def fixes(self) -> frozenset[str]:
+        return frozenset(member.fix for member in self.members if member.fix)
+
+    def known(self, names: Sequence[str]) -> dict[str, str]:
+        """Every known fingerprint of ``names`` hashed together."""
+        return dict(next((known for over, known in self.fingerprints if tuple(names) == over), {}))
+
+    def groups(self, defined: Sequence[str]) -> list[tuple[str, ...]]:
+        """The sets of names hashed together that ``defined`` covers, largest first; if none, the
+        smallest set (identifying it then says which definition is missing)."""
+        covering = [over for over, _ in self.fingerprints if set(over) <= set(defined)]
+        smallest = min((over for over, _ in self.fingerprints), key=len)
+        return sorted(covering, key=len, reverse=True) or [smallest]
+
+    def patches(self, upstream: str, module: str, known: Mapping[str, str], *, over: Sequence[str],
+                requires: str | None = None, name: str | None = None) -> list[Patch]:
+        """The patches replacing every member in ``over`` that has a fix, in ``module``, recognised
+        by ``known`` fingerprints of ``over``. Patch names are ``{name or upstream}.{member}``."""
+        recognise = Fingerprints(dict(known), over=tuple(over))
+        return [Patch(f"{name or upstream}.{member.name}", f"{module}:{member.name}", member.fix, recognise,
+                      upstream, member.summary, requires)
+                for member in self.members if member.fix and member.name in over]

@@ -1,0 +1,101 @@
+"""Copies of known-broken code found wherever they live.
+
+The declared patches name module paths, but the OpenAI/CompVis checkpoint lives on under hundreds of
+other names (``audiosr.latent_diffusion.modules.diffusionmodules.util``, ``myproject/models/util.py``).
+While the scan is on, every module whose body has run that defines a member of a
+:class:`~gradpatch.patching.families.Family` is identified by fingerprint, and a known version is patched like a
+declared path, with the same fixes, rebinding and report entries (named after the module where the copy
+was found). This module only recognises: :mod:`gradpatch.patching.activation` calls :func:`copies` from the one
+listener it gives :mod:`gradpatch.patching.watcher` (every execution of a module body: import, re-import,
+reload, a lazy module's first use, any finder or loader) and for every module already imported when
+``apply()`` runs, and adopts what it returns. A copy adopted once is a patch of this process from then
+on: its module's next execution (``importlib.reload``) is patched like a declared path's, and every
+later ``apply()`` or ``applied()`` selecting the family selects it again.
+
+What it costs per module body: one test that the module's globals hold none of the member names
+(about 0.2 us; ``benchmarks/startup.py`` measures the whole scan on ``import diffusers`` + ``import
+audioldm``). Only a module holding a member name, with an object its own body defined (``__module__``),
+shaped like a member (``torch.utils.checkpoint`` has the names but not the shapes) is fingerprinted,
+once per code object. A shaped copy with an unknown fingerprint is left alone with an
+:class:`~gradpatch.UnknownCodeWarning`; one whose source cannot be read (a ``.pyc`` without its
+``.py``, a module built in memory) is left alone with a warning saying so; declared paths are never
+examined here (they carry provenance and version ranges of their own), and neither are gradpatch's
+own modules.
+
+On while ``apply()`` has selected a patch of the family (``GRADPATCH=1`` selects all), unless
+switched off with ``apply(scan=False)`` or ``GRADPATCH_SCAN=0``.
+"""
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any
+
+#: The switch (``apply(scan=...)``, ``GRADPATCH_SCAN``); nothing is examined while it is False.
+enabled = False
+_families: list[Any] = []
+_names: tuple[str, ...] = ()  # every member name of every family: the per-module check
+_chosen: dict[tuple[int, ...], tuple[tuple[object, ...], tuple[str, ...]]] = {}  # per code object
+
+
+def families() -> list[Any]:
+    """The declared families (``patches/_families.py``), loaded on first use."""
+    global _names
+    if not _families:
+        from gradpatch.patching import catalogue
+
+        package = catalogue._builtin_package()
+        _families.extend(__import__(f"{package.__name__}._families", fromlist=["FAMILIES"]).FAMILIES)
+        _names = tuple(dict.fromkeys(name for family in _families for name in family.names))
+    return _families
+
+
+def candidate(namespace: dict) -> bool:
+    """Whether a module with these globals may hold a copy (the scan is on and it holds a member
+    name): the test every module body pays."""
+    if enabled:
+        for name in _names:  # a loop over a few names: faster than a set operation on the dict's keys
+            if name in namespace:
+                return True
+    return False
+
+
+def copies(module: ModuleType, namespace: dict, selected: list[Any]) -> list[tuple[Any, list[Any]]]:
+    """``(family, patches)`` for each of the ``selected`` families whose copy ``module`` (with globals
+    ``namespace``, not a declared path) defines: the patches replacing its members, recognised by the
+    family's fingerprints of the largest set of names it defines whose fingerprint is known."""
+    name = namespace.get("__name__")
+    if not isinstance(name, str) or name.partition(".")[0] == "gradpatch":
+        return []
+    found = []
+    for family in selected:
+        shaped = [m.name for m in family.members if getattr(namespace.get(m.name), "__module__", None) == name
+                  and m.shape.matches(namespace[m.name])]
+        if not family.is_copy(shaped):
+            continue  # unrelated code that uses a member's name
+        over = _group(module, namespace, family)
+        top = name.partition(".")[0]
+        patches = [patch._replace(summary=f"copy found by scan ({family.name}); {patch.summary}")
+                   for patch in family.patches(top, name, family.known(over), over=over, name=name)]
+        found.append((family, patches))
+    return found
+
+
+def _group(module: ModuleType, namespace: dict, family: Any) -> tuple[str, ...]:
+    """The set of names to identify ``module``'s copy by: the largest it defines whose fingerprint
+    is known, else the largest it defines (which is then reported as unknown)."""
+    from gradpatch.patching.fingerprint import Fingerprints
+
+    objects = tuple(namespace.get(name) for name in family.names)
+    key = tuple(id(getattr(obj, "__code__", obj)) for obj in objects)
+    if key in _chosen:
+        return _chosen[key][1]
+    groups = family.groups([name for name in family.names if name in namespace])
+    chosen = groups[0]
+    for over in groups:
+        recognise = Fingerprints(family.known(over), over=over)
+        if recognise.identify(module, over[0], namespace.get(over[0])).verdict == "known":
+            chosen = over
+            break
+    # The objects are kept with the key so that their ids cannot be reused by other code.
+    _chosen[key] = (tuple(getattr(obj, "__code__", obj) for obj in objects), chosen)
+    return chosen

@@ -1,0 +1,209 @@
+"""Differentiable sampler *functions*: ``sample_*(model, x, ...)`` decorated with ``@torch.no_grad()``.
+
+k-diffusion's ``k_diffusion.sampling.sample_*`` (and the copy stable-audio-tools vendors) and
+stable-audio-tools' own samplers take the denoiser as their first argument, ``model``, and step through
+a schedule in one loop, ``for i in trange(len(sigmas) - 1)`` (or ``tqdm(...)``). The fix gives each
+one the interface of :mod:`gradpatch.sampling.runner`, keyword-only:
+
+* ``cache=True`` (default): the original function, called as it is (no graph, bitwise-equal output).
+* ``cache=False``: the undecorated body inside :func:`~gradpatch.sampling.runner.differentiable`
+  (gradients on, also under an outer ``no_grad``; ``inference_mode`` refused). Gradients reach the
+  denoiser's parameters and every differentiable input (``x``, tensors in ``extra_args``). The
+  caller's train/eval modes are kept: these samplers never call ``eval()``.
+* ``grad_steps=K``: a graph only through the last K steps, where a step is one iteration of the
+  sampler's loop and N its length: grad is off from the first step until the last evaluation of step
+  N-K-1 returns, so the latent entering step N-K is detached (the noise ``x`` gets no gradient) and
+  Heun, DPM-2, DPM++ 2S and DPM++ SDE (two evaluations per step) and RK4 (four) are counted in steps,
+  not calls. Multistep methods (LMS, DPM++ 2M, 3M SDE) reuse earlier steps' denoised outputs, which
+  are then constants.
+* ``checkpoint_steps=True``: each denoiser evaluation is recomputed in backward instead of stored.
+
+How the step is known. For a call with ``grad_steps``, the ``model`` argument is replaced by a wrapper
+that runs each evaluation through :func:`~gradpatch.sampling.runner.run_step`, and the progress-bar
+globals of the sampler's module (``trange``, ``tqdm``) are shadowed, for the call and in the caller's
+context only, by versions that record the loop index as the loop runs and the loop's length when it
+starts (a ``zip`` with no length is read into a list first). Matching sigma values would misattribute
+Heun's second evaluation (made at ``sigmas[i + 1]``) and the callback comes between a step's two
+evaluations, so neither is used. An evaluation made before the loop starts, or a second loop in one
+call, raises instead of truncating at a guessed step. ``checkpoint_steps`` alone needs no step index:
+only the ``model`` wrapper is used.
+
+Nesting. A patched sampler called without ``cache=`` inside another patched sampler's ``cache=False``
+call (stable-audio-tools' ``sample_diffusion`` calling the vendored k-diffusion samplers) follows the
+outer call's options: gradients flow through both, and the inner sampler counts the steps. The unit
+run under ``no_grad`` or checkpointed is then the inner sampler's ``model`` argument, whatever the outer
+call wrapped around the user's denoiser: for ``sample_diffusion``'s k-diffusion types that is
+``VDenoiser(model)``, so in the first N-K steps its skip term ``x * c_skip`` carries no gradient to the
+noise either (parameter gradients are unaffected). An outer ``model`` wrapper passes evaluations the
+inner one already handles straight through, also in a checkpoint recompute.
+
+Adaptive samplers (``sample_dpm_fast``, ``sample_dpm_adaptive``) take ``cache`` and
+``checkpoint_steps``; their step count is decided as they go (``dpm_adaptive`` accepts or rejects
+steps by ``float(error)``), so ``grad_steps`` is refused with a ValueError. Gradients flow along the
+path taken; the choice of path is not differentiable.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import sys
+from contextvars import ContextVar
+from typing import Any, Callable, Iterator, TypeVar
+
+import torch
+
+from gradpatch.sampling.options import note_cached_call
+from gradpatch.sampling.runner import (SamplingOptions, _shadow, _with_keywords, active_options, check_keywords,
+                                      differentiable, run_step, sampling_options, swallowed_keywords)
+
+T = TypeVar("T")
+_UNSET: Any = object()
+_PROGRESS = ("trange", "tqdm")  # the loop helpers these samplers iterate over
+
+
+class _Loop:
+    """The step loop of one patched sampler call: its length once started, the current index."""
+
+    def __init__(self, sampler: str, modules: tuple[str, ...]) -> None:
+        self.sampler, self.modules = sampler, modules
+        self.step, self.total = -1, None  # type: int, int | None
+
+    def start(self, total: int) -> None:
+        if self.total is not None:
+            raise RuntimeError(f"{self.sampler}: grad_steps counts the iterations of one step loop, but the "
+                               "sampler started a second one; use checkpoint_steps instead")
+        self.total = total
+
+
+_loop: ContextVar[_Loop | None] = ContextVar("gradpatch_sampler_loop", default=None)
+_evaluating: ContextVar[bool] = ContextVar("gradpatch_sampler_evaluating", default=False)
+
+
+class _Tracked:
+    """A progress bar whose iteration tells ``loop`` which step is running."""
+
+    def __init__(self, bar: Any, loop: _Loop) -> None:
+        self._bar, self._loop = bar, loop
+
+    def __iter__(self) -> Iterator[Any]:
+        self._loop.start(len(self._bar))
+        for index, item in enumerate(self._bar):
+            self._loop.step = index
+            yield item
+
+    def __len__(self) -> int:
+        return len(self._bar)
+
+    def __enter__(self) -> Any:
+        self._bar.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> Any:
+        return self._bar.__exit__(*exc)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._bar, name)
+
+
+def _progress(module: str, original: Callable[..., Any]) -> Callable[..., Any]:
+    """``trange``/``tqdm`` of ``module`` that, inside a stepped call of a sampler of ``module`` in this
+    context, tracks the loop; anywhere else it is the original."""
+
+    @functools.wraps(original)
+    def progress(*args: Any, **kwargs: Any) -> Any:
+        loop = _loop.get()
+        if loop is None or module not in loop.modules:
+            return original(*args, **kwargs)
+        if args and not hasattr(args[0], "__len__") and not hasattr(args[0], "__index__"):
+            args = (list(args[0]),) + args[1:]  # tqdm(zip(t[:-1], t[1:])): finite, known length
+        return _Tracked(original(*args, **kwargs), loop)
+
+    return progress
+
+
+class _SteppedModel:
+    """The ``model`` argument, with each evaluation run through :func:`run_step` at the loop's step."""
+
+    def __init__(self, model: Callable[..., Any], loop: _Loop, options: SamplingOptions) -> None:
+        self.model, self.loop, self.options = model, loop, options
+
+    def _evaluate(self, *args: Any, **kwargs: Any) -> Any:
+        token = _evaluating.set(True)  # also set in a checkpoint recompute: outer wrappers pass through
+        try:
+            return self.model(*args, **kwargs)
+        finally:
+            _evaluating.reset(token)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if _evaluating.get():  # an inner patched sampler's evaluation: it counted the step
+            return self.model(*args, **kwargs)
+        loop = self.loop
+        if self.options.grad_steps is not None and loop.total is None:
+            raise RuntimeError(f"{loop.sampler}: grad_steps needs every denoiser evaluation inside the "
+                               "sampler's step loop, but the model was called before the loop started; "
+                               "use checkpoint_steps instead")
+        return run_step(max(loop.step, 0), loop.total or 0, self._evaluate, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:  # the denoiser's other attributes (inner_model, ...)
+        return getattr(self.__dict__["model"], name)
+
+
+def _sampler(original: Callable[..., T], *, adaptive: bool) -> Callable[..., T]:
+    raw = inspect.unwrap(original)
+    signature = inspect.signature(raw)
+    name = f"{raw.__module__}.{raw.__qualname__}"
+    module = sys.modules.get(raw.__module__)
+    progress = tuple(n for n in _PROGRESS if callable(getattr(module, n, None)))
+    accepted = swallowed_keywords(raw)
+
+    @functools.wraps(original)
+    def sample(*args: Any, cache: bool = _UNSET, grad_steps: int | None = None, checkpoint_steps: bool = False,
+               **kwargs: Any) -> T:
+        check_keywords(kwargs, accepted, name)
+        outer = active_options()
+        follow = cache is _UNSET and grad_steps is None and not checkpoint_steps and outer is not None
+        options = outer if follow else sampling_options(True if cache is _UNSET else cache, grad_steps,
+                                                        checkpoint_steps)
+        if not follow and (cache is _UNSET or cache):
+            note_cached_call(name, args[0] if args else kwargs.get("model"))
+            return original(*args, **kwargs)
+        assert options is not None
+        if adaptive and options.grad_steps is not None:
+            raise ValueError(f"{name} chooses its steps as it goes, so grad_steps (the last K of N steps) has "
+                             "no fixed N; it supports cache=False and checkpoint_steps=True: use those")
+        stepped = options.grad_steps is not None or options.checkpoint_steps
+        with contextlib.ExitStack() as stack:
+            run = None if follow else stack.enter_context(differentiable(None, options))
+            if stepped:
+                bound = signature.bind(*args, **kwargs)
+                loop = _Loop(name, (raw.__module__,))
+                bound.arguments["model"] = _SteppedModel(bound.arguments["model"], loop, options)
+                args, kwargs = bound.args, bound.kwargs
+                if options.grad_steps is not None and module is not None:
+                    for global_name in progress:
+                        stack.enter_context(_shadow(module, global_name, functools.partial(_progress, raw.__module__)))
+                    token = _loop.set(loop)
+                    stack.callback(_loop.reset, token)
+            out = raw(*args, **kwargs)
+        if run is not None and stepped and run.evaluations == 0:
+            raise RuntimeError(f"{name}: grad_steps/checkpoint_steps had no effect: the denoiser was never "
+                               "evaluated through gradpatch's run_step")
+        return out
+
+    sample.__signature__ = _with_keywords(inspect.signature(original))  # type: ignore[attr-defined]
+    return sample
+
+
+def fixed_step_sampler(original: Callable[..., T]) -> Callable[..., T]:
+    """Fix factory for a ``@torch.no_grad()`` sampler function whose steps are the iterations of one
+    ``trange``/``tqdm`` loop of its module (k-diffusion's fixed-schedule samplers, stable-audio-tools'
+    samplers and ``sample_diffusion``). A new object per call."""
+    return _sampler(original, adaptive=False)
+
+
+def adaptive_sampler(original: Callable[..., T]) -> Callable[..., T]:
+    """Fix factory for a ``@torch.no_grad()`` sampler function that chooses its steps as it goes
+    (k-diffusion's ``sample_dpm_fast``, ``sample_dpm_adaptive``): ``cache`` and ``checkpoint_steps``;
+    ``grad_steps`` raises ValueError."""
+    return _sampler(original, adaptive=True)

@@ -1,0 +1,355 @@
+"""Differentiable sampling: what every fix of a ``@torch.no_grad()`` sampler shares.
+
+A patched sampler takes ``cache: bool = True``. ``cache=True`` calls the original, unchanged: no graph,
+``self.eval()``, caches reused, the same outputs bit for bit. ``cache=False`` runs the undecorated body
+inside :func:`differentiable`: gradients enabled (also under an outer ``no_grad``), the model's
+``eval()`` a no-op so train/eval modes stay as the caller set them (dropout stays on for a student in
+train mode), and the memory options below visible to :func:`run_step`, which the fixes call around
+each denoiser evaluation. Caches that reuse one step's tensors in later steps are bypassed
+(:func:`text_cache_off`). Everything is restored on exit, also when sampling raises. ``cache=False``
+inside :func:`torch.inference_mode` raises: no graph can be recorded there. The attribute shadows act
+only in the context (thread, task) of the ``cache=False`` call, so concurrent ``cache=True`` calls on
+the same model are unaffected.
+
+Memory. Backpropagating through N steps keeps N copies of the denoiser's activations. Two keyword-only
+options bound that (used with ``cache=False``):
+
+* ``grad_steps=K``: a graph only through the last K steps (truncated backpropagation, as in DRaFT-K
+  and AlignProp): grad is off from the first evaluation of step 0 until the last evaluation of step
+  N-K-1 returns, so those evaluations and the state updates between them are not recorded, and from
+  then until step N-K starts whatever is computed from those evaluations is not recorded either
+  (:mod:`gradpatch.sampling._window`): the latent entering step N-K has no graph (the initial noise gets
+  no gradient), the conditioning prepared for it has. Gradients equal those
+  of a run that detaches the state before step N-K; what the sampler computes before its first step
+  (conditioning) and inputs used in the last K steps or after the loop (F5 pastes ``cond`` into the
+  output) still get theirs. ``K >= N`` is the plain run.
+* ``checkpoint_steps=True``: each denoiser evaluation is recomputed during backward instead of stored
+  (non-reentrant :func:`torch.utils.checkpoint.checkpoint`, which replays the RNG, so dropout agrees),
+  so saved memory grows by about one latent per step instead of one set of activations, at the cost of
+  a second forward per evaluation. Gradients equal the plain run's. The recompute happens after the
+  call returned; it re-enters the call's shadows (:meth:`SamplingRun.active`), so it too sees caches
+  off. Never wrap a scheduler's ``step`` this way: schedulers keep state a recompute would advance twice.
+
+ODE samplers (F5-TTS, E2-TTS) call ``torchdiffeq.odeint(fn, y0, t, ...)`` through a module global. For
+a ``cache=False`` call with either option, :func:`differentiable_sampler` shadows that global with
+:func:`stepped_odeint` for the duration of the call (shared and reference counted like the other
+shadows, and acting only in the caller's context). It hands torchdiffeq a right-hand side that learns
+the solver step from torchdiffeq's ``callback_step`` (called once before each step, so midpoint and RK4
+evaluations, which fall inside or at the end of the interval, are attributed without guessing from
+``t``) and runs every evaluation through :func:`run_step`. Nothing is shadowed for plain calls.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import operator
+import os
+import sys
+import threading
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from typing import Any, Callable, ContextManager, Iterator, TypeVar
+
+import torch
+import torch.utils.checkpoint
+
+from gradpatch.sampling.options import (OPTIONS, SamplingOptions, check_flag, check_keywords,  # noqa: F401
+                                     note_cached_call, sampling_options, swallowed_keywords)
+
+T = TypeVar("T")
+
+FIXED_GRID_METHODS = frozenset({"euler", "midpoint", "rk4", "heun2", "heun3",
+                                "explicit_adams", "implicit_adams", "fixed_adams"})
+"""torchdiffeq methods that take exactly one step per interval of the ``t`` they are given."""
+
+
+@dataclass
+class SamplingRun:
+    """One ``cache=False`` call in progress: its options, how many denoiser evaluations went through
+    :func:`run_step` (a fix can check that its options took effect), and the scopes (attribute
+    shadows) that hold while it is active, which a checkpoint recompute during backward re-enters."""
+
+    options: SamplingOptions
+    evaluations: int = 0
+    cut: bool = False  # grad_steps: grad is off from the first step until step N-K-1 ends
+    scopes: list[Callable[[], ContextManager[Any]]] = field(default_factory=list, repr=False)
+
+    window: Any = None  # grad_steps: the _window.Window between steps N-K-1 and N-K, while open
+
+    def open_window(self, tainted: Any) -> None:
+        from gradpatch.sampling._window import Window
+
+        self.window = Window(tainted)
+        self.window.__enter__()
+
+    def close_window(self) -> None:
+        if self.window is not None:
+            window, self.window = self.window, None
+            window.__exit__(None, None, None)
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        """Make this run current and its scopes hold, for the duration of the block."""
+        token = _current.set(self)
+        try:
+            with contextlib.ExitStack() as stack:
+                for scope in self.scopes:
+                    stack.enter_context(scope())
+                stack.callback(self.close_window)
+                yield
+        finally:
+            _current.reset(token)
+
+    def enter(self, stack: contextlib.ExitStack, scope: Callable[[], ContextManager[Any]]) -> None:
+        """Enter ``scope`` now (on ``stack``) and on every later :meth:`active`."""
+        self.scopes.append(scope)
+        stack.enter_context(scope())
+
+
+_current: ContextVar[SamplingRun | None] = ContextVar("gradpatch_sampling", default=None)
+
+
+def active_options() -> SamplingOptions | None:
+    """The options of the ``cache=False`` call in progress in this context, if any."""
+    run = _current.get()
+    return None if run is None else run.options
+
+
+# Instance-attribute shadows. One shadow per (object, name) is shared by concurrent calls (reference
+# counted) and acts only in contexts where a cache=False call is active: another thread sampling the
+# same model with cache=True at the same time still gets the real eval(), cache and clear_cache().
+_lock = threading.Lock()
+_shadows: dict[tuple[int, str], list[Any]] = {}  # key -> [users, had_own, own_value, installed]
+
+
+def _reset_lock_in_child() -> None:  # a fork while another thread held it must not deadlock the child
+    global _lock
+    _lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_lock_in_child)
+
+
+@contextlib.contextmanager
+def _shadow(obj: object, name: str, make: Callable[[Any], Any]) -> Iterator[None]:
+    key = (id(obj), name)
+    with _lock:
+        entry = _shadows.get(key)
+        if entry is None:
+            own, installed = vars(obj), make(getattr(obj, name))
+            entry = _shadows[key] = [0, name in own, own.get(name), installed]
+            object.__setattr__(obj, name, installed)
+        entry[0] += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            entry[0] -= 1
+            if entry[0] == 0:
+                del _shadows[key]
+                if vars(obj).get(name) is entry[3]:  # else someone replaced it meanwhile: theirs stays
+                    object.__setattr__(obj, name, entry[2]) if entry[1] else object.__delattr__(obj, name)
+
+
+def _keep_mode(model: Any, real_eval: Callable[[], Any]) -> Callable[[], Any]:
+    def eval() -> Any:  # noqa: A001 - stands in for Module.eval
+        return model if _current.get() is not None else real_eval()
+
+    return eval
+
+
+def _no_cache(forward: Callable[..., T]) -> Callable[..., T]:
+    def call(*args: Any, **kwargs: Any) -> T:
+        if "cache" in kwargs and _current.get() is not None:
+            kwargs["cache"] = False
+        return forward(*args, **kwargs)
+
+    return call
+
+
+def _no_clear(clear: Callable[..., Any]) -> Callable[..., Any]:
+    return lambda *args, **kwargs: None if _current.get() is not None else clear(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def differentiable(model: object | None, options: SamplingOptions) -> Iterator[SamplingRun]:
+    """Grad on, ``model.eval()`` a no-op and ``options`` active, for the duration of the block.
+
+    Yields the :class:`SamplingRun`. The ``eval`` shadow is an instance attribute of ``model`` only
+    (submodules are untouched) and is removed on exit, also when the block raises.
+    """
+    if torch.is_inference_mode_enabled():
+        raise RuntimeError("cache=False records a graph, which torch.inference_mode() forbids; call the "
+                           "sampler outside inference_mode (no_grad is fine: cache=False enables grad)")
+    run = SamplingRun(options)
+    if model is not None:
+        run.scopes.append(functools.partial(_shadow, model, "eval", functools.partial(_keep_mode, model)))
+    with run.active(), torch.enable_grad():
+        yield run
+
+
+@contextlib.contextmanager
+def text_cache_off(denoiser: object) -> Iterator[None]:
+    """While a ``cache=False`` call is active, calls of ``denoiser`` that pass ``cache=`` get
+    ``cache=False`` and ``denoiser.clear_cache()`` does nothing (nothing was cached, and F5 >= 1.1.20
+    would otherwise create its lazy thread-local cache, which ``copy.deepcopy`` cannot copy).
+
+    A cache reused across steps holds a tensor computed once, under the first step's graph; with
+    gradients on it goes stale across backward calls, and a per-step checkpoint recompute reads it
+    instead of computing it (``CheckpointError``). Denoisers that take no ``cache`` are unaffected.
+    """
+    run = _current.get()
+    if run is None or not isinstance(denoiser, torch.nn.Module):
+        yield
+        return
+    with contextlib.ExitStack() as stack:
+        run.enter(stack, functools.partial(_shadow, denoiser, "forward", _no_cache))
+        if callable(getattr(denoiser, "clear_cache", None)):
+            run.enter(stack, functools.partial(_shadow, denoiser, "clear_cache", _no_clear))
+        yield
+
+
+def recording() -> bool:
+    """Whether this context records a graph: grad on, or off only because ``grad_steps`` cut the early
+    steps (fixes that run their bodies only while grad is on must keep doing so in those steps)."""
+    run = _current.get()
+    return torch.is_grad_enabled() or (run is not None and run.cut)
+
+
+def run_step(step: int, total: int, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """Evaluate the denoiser for step ``step`` (0-based) of ``total`` under the active options.
+
+    Outside a ``cache=False`` call, or with grad disabled, this is ``fn(*args, **kwargs)``. A
+    checkpointed evaluation is recomputed during backward, after the call returned: the recompute
+    re-enters the run (:meth:`SamplingRun.active`), so it sees the same shadows (e.g. the backbone's
+    cache still off) as the forward did.
+    """
+    run = _current.get()
+    if run is None or not (torch.is_grad_enabled() or run.cut):
+        return fn(*args, **kwargs)
+    run.evaluations += 1
+    options = run.options
+    first = total - options.grad_steps if options.grad_steps is not None else 0
+    if step < first:
+        # Not recorded: this step's evaluations and the state updates after them. Grad resumes when
+        # the last evaluation of step N-K-1 returns; until step N-K starts, what is computed from the
+        # cut evaluations stays unrecorded (gradpatch.sampling._window), so the latent entering step N-K
+        # has no graph (DRaFT-K) while the conditioning prepared for it has.
+        run.close_window()
+        torch._C._set_grad_enabled(False)
+        run.cut = True
+        out = fn(*args, **kwargs)
+        if step == first - 1:
+            torch._C._set_grad_enabled(True)
+            run.cut = False
+            run.open_window(out)
+        return out
+    run.close_window()
+    if run.cut:  # a step at or after N-K whose predecessor did not end the cut (steps skipped)
+        torch._C._set_grad_enabled(True)
+        run.cut = False
+    if options.checkpoint_steps:
+        def replay(*args: Any, **kwargs: Any) -> T:  # the recompute in backward runs outside the call
+            if _current.get() is run:
+                return fn(*args, **kwargs)
+            with run.active():
+                return fn(*args, **kwargs)
+
+        return torch.utils.checkpoint.checkpoint(replay, *args, use_reentrant=False, **kwargs)  # type: ignore[return-value]
+    return fn(*args, **kwargs)
+
+
+class _Stepped:
+    """An ODE right-hand side that knows its solver step from torchdiffeq's ``callback_step``."""
+
+    def __init__(self, func: Callable[..., Any], total: int) -> None:
+        self.func, self.total, self.step = func, total, -1
+
+    def __call__(self, t: torch.Tensor, y: Any) -> Any:
+        # Adaptive solvers evaluate once before their first step (initial step size): count it as step 0.
+        return run_step(max(self.step, 0), self.total, self.func, t, y)
+
+    def callback_step(self, t0: torch.Tensor, y0: Any, dt: torch.Tensor) -> None:
+        self.step += 1
+        getattr(self.func, "callback_step", lambda *args: None)(t0, y0, dt)  # the user's own, if any
+
+    def __getattr__(self, name: str) -> Any:  # the user's other callbacks, if any
+        return getattr(self.__dict__["func"], name)
+
+
+def _total_steps(t: torch.Tensor, kwargs: dict[str, Any], options: SamplingOptions) -> int:
+    if options.grad_steps is None:
+        return 0
+    method, solver = kwargs.get("method"), kwargs.get("options") or {}
+    if (method not in FIXED_GRID_METHODS or "step_size" in solver or "grid_constructor" in solver
+            or kwargs.get("event_fn") is not None):
+        raise ValueError(f"grad_steps needs a fixed-grid solver stepping on the time points given "
+                         f"({', '.join(sorted(FIXED_GRID_METHODS))}); this sampler calls odeint with "
+                         f"method={method!r}, options={solver!r}. Use checkpoint_steps instead.")
+    return len(t) - 1
+
+
+def stepped_odeint(original: Callable[..., T]) -> Callable[..., T]:
+    """``odeint`` (torchdiffeq's signature) that numbers solver steps for :func:`run_step` while a
+    ``cache=False`` call with ``grad_steps`` or ``checkpoint_steps`` is active in this context, and
+    calls ``original`` straight through otherwise."""
+
+    @functools.wraps(original)
+    def odeint(func: Callable[..., Any], y0: Any, t: torch.Tensor, *args: Any, **kwargs: Any) -> T:
+        run = _current.get()
+        if run is None or (run.options.grad_steps is None and not run.options.checkpoint_steps):
+            return original(func, y0, t, *args, **kwargs)
+        return original(_Stepped(func, _total_steps(t, kwargs, run.options)), y0, t, *args, **kwargs)
+
+    return odeint
+
+
+def _with_keywords(signature: inspect.Signature) -> inspect.Signature:
+    params = list(signature.parameters.values())
+    extra = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)
+             for name, default, annotation in (("cache", True, "bool"), ("grad_steps", None, "int | None"),
+                                               ("checkpoint_steps", False, "bool"))]
+    at = next((i for i, p in enumerate(params) if p.kind is inspect.Parameter.VAR_KEYWORD), len(params))
+    return signature.replace(parameters=params[:at] + extra + params[at:])
+
+
+def differentiable_sampler(original: Callable[..., T], *, denoiser: str = "transformer",
+                           solver: str = "odeint") -> Callable[..., T]:
+    """Fix factory for a ``@torch.no_grad()`` sampler method ``sample(self, ...)`` that calls
+    ``self.eval()``, evaluates ``self.<denoiser>`` and integrates with its module's global ``<solver>``
+    (torchdiffeq's ``odeint``): F5-TTS ``CFM.sample``, E2-TTS ``E2TTS.sample``.
+
+    The replacement takes ``cache=True`` (the original, called as it is) or ``cache=False`` (the
+    undecorated body under :func:`differentiable` and :func:`text_cache_off`; with ``grad_steps`` or
+    ``checkpoint_steps`` the solver global shadowed by :func:`stepped_odeint`). If those options were
+    asked for and no evaluation went through :func:`run_step` (a body that no longer calls the solver
+    global), it raises rather than return a graph that silently ignored them. A new object per call.
+    """
+    raw = inspect.unwrap(original)
+    module = sys.modules.get(getattr(raw, "__module__", ""), None)
+    accepted = swallowed_keywords(original)
+
+    @functools.wraps(original)
+    def sample(self: Any, *args: Any, cache: bool = True, grad_steps: int | None = None,
+               checkpoint_steps: bool = False, **kwargs: Any) -> T:
+        options = sampling_options(cache, grad_steps, checkpoint_steps)
+        check_keywords(kwargs, accepted, f"{type(self).__name__}.sample")
+        if cache:
+            note_cached_call(f"{type(self).__name__}.sample", self)
+            return original(self, *args, **kwargs)
+        with contextlib.ExitStack() as stack:
+            run = stack.enter_context(differentiable(self, options))
+            stack.enter_context(text_cache_off(getattr(self, denoiser, None)))
+            if (options.grad_steps is not None or checkpoint_steps) and callable(getattr(module, solver, None)):
+                stack.enter_context(_shadow(module, solver, stepped_odeint))
+            out = raw(self, *args, **kwargs)
+        if (grad_steps is not None or checkpoint_steps) and run.evaluations == 0:
+            raise RuntimeError(f"{type(self).__name__}.sample: grad_steps/checkpoint_steps had no effect: no "
+                               f"denoiser evaluation went through gradpatch's run_step (the body did not "
+                               f"call {raw.__module__}.{solver})")
+        return out
+
+    sample.__signature__ = _with_keywords(inspect.signature(original))  # type: ignore[attr-defined]
+    return sample
