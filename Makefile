@@ -23,7 +23,8 @@ SKIP_TORCH_LOWER ?=
 NEWEST_VENV ?= .venv-torch-newest
 NEWEST_PY := $(NEWEST_VENV)/bin/python
 NEWEST_TESTS := $(LOWER_TESTS) tests/test_checkpoint_functorch.py tests/test_checkpoint_budget_compile.py \
-	tests/test_lift.py tests/test_engine.py tests/test_definitions.py tests/test_versions.py
+	tests/test_lift.py tests/test_engine.py tests/test_definitions.py tests/test_versions.py \
+	tests/test_diffusers_pipelines.py
 SKIP_TORCH_NEWEST ?=
 
 .PHONY: demo test test-torch-lower test-torch-newest newcomer bench clean
