@@ -48,7 +48,8 @@ _optimizer.register_optimizer_step_post_hook(_record)
 from gradpatch.checkpointing import _recompute  # count the fixed checkpoint's recomputes in backward
 _recomputes, _backward = [], _recompute._Recompute.backward
 _recompute._Recompute.backward = staticmethod(lambda ctx, *grads: (_recomputes.append(1), _backward(ctx, *grads))[1])
-atexit.register(lambda: torch.save({"steps": _steps, "recomputes": len(_recomputes)}, os.environ["RECIPE_OUT"]))
+atexit.register(lambda: torch.save({"steps": _steps, "recomputes": len(_recomputes)},
+                                  os.environ["RECIPE_OUT"] + os.environ.get("RANK", "")))
 torch.manual_seed(0)
 '''
 
@@ -84,7 +85,7 @@ def run(name: str, tmp_path: Path, reference: bool, launcher: list[str] = ()) ->
     command = [*launcher, str(script)] if launcher else [sys.executable, str(script)]
     result = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]
-    saved = torch.load(out)
+    saved = torch.load(f"{out}0" if "torch.distributed.run" in launcher else out)
     if reference:
         assert saved["recomputes"] == 0
     elif name in RECOMPUTED:  # the recipe exercises the fixed checkpoint's recompute, not only its forward
@@ -145,3 +146,14 @@ def test_lightning_2_and_pytorch_lightning_1_coexist():
     assert result.returncode == 0, result.stderr
     modern, legacy = result.stdout.split()
     assert modern.startswith("2.") and legacy.startswith("1.9.")
+
+
+@pytest.mark.slow
+def test_accelerate_recipe_under_torchrun_two_ranks(tmp_path):
+    """The launchers pointer: ``GRADPATCH=1 torchrun --nproc_per_node=2 train.py``, here the accelerate
+    recipe as DDP over gloo, against the same two-rank run without checkpointing (rank 0's gradients,
+    all-reduced)."""
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    assert_same_steps(run("accelerate", tmp_path, reference=False, launcher=torchrun),
+                      run("accelerate", tmp_path, reference=True, launcher=torchrun), STEPS["accelerate"], BF16)
+    assert len(list(tmp_path.glob("*.pt1"))) == 2  # rank 1 trained too, in both runs
