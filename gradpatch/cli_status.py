@@ -12,7 +12,7 @@ import site
 import sys
 from typing import Iterable
 
-from gradpatch import _OFF
+from gradpatch._switch import OFF as _OFF
 
 _STARTUP_FILES = ("gradpatch.pth", "gradpatch.start")
 
