@@ -18,8 +18,9 @@ SKIP_TORCH_LOWER ?=
 
 # The newest torch release gets a venv of its own too, for the tests that import without the upstream
 # codebases (torchaudio 2.11, the newest, refuses to import on torch 2.15: README, Torch versions).
-# Skipping it takes a reason: `make test SKIP_TORCH_NEWEST="why"`, which is printed. A pip
-# configuration capping torch (a constraints file) makes its install fail: lift the cap, or skip.
+# Skipping it takes a reason: `make test SKIP_TORCH_NEWEST="why"`, which is printed. Its install reads
+# no pip configuration (PIP_CONFIG_FILE=/dev/null): a machine-wide constraints file that caps torch for
+# other environments must not apply to the one venv whose point is another torch.
 NEWEST_VENV ?= .venv-torch-newest
 NEWEST_PY := $(NEWEST_VENV)/bin/python
 NEWEST_TESTS := $(LOWER_TESTS) tests/test_checkpoint_functorch.py tests/test_checkpoint_budget_compile.py \
@@ -66,7 +67,7 @@ test-torch-lower: $(LOWER_VENV)/.installed
 
 $(NEWEST_VENV)/.installed: requirements/torch-newest.txt
 	$(PYTHON) -m venv $(NEWEST_VENV)
-	$(NEWEST_PY) -m pip install --quiet --no-deps -r requirements/torch-newest.txt
+	PIP_CONFIG_FILE=/dev/null $(NEWEST_PY) -m pip install --quiet --no-deps -r requirements/torch-newest.txt
 	touch $@
 
 test-torch-newest: $(NEWEST_VENV)/.installed
