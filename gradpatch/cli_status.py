@@ -10,9 +10,11 @@ from __future__ import annotations
 import os
 import site
 import sys
+import textwrap
 from typing import Iterable
 
 from gradpatch._switch import OFF as _OFF
+from gradpatch.patching.registry import WIDTH
 
 _STARTUP_FILES = ("gradpatch.pth", "gradpatch.start")
 
@@ -53,7 +55,7 @@ def activity_line(environ: dict[str, str] | None = None, startup: str | None | b
 
 def summary_lines(statuses: Iterable[dict[str, object]], upstream_of: dict[str, str]) -> list[str]:
     """One line per upstream package installed here: its version and how its code was recognised;
-    then one line naming the packages not installed."""
+    then the packages not installed, wrapped to the table width."""
     groups: dict[str, list[dict[str, object]]] = {}
     for row in statuses:
         groups.setdefault(upstream_of[str(row["patch"])], []).append(row)
@@ -74,5 +76,6 @@ def summary_lines(statuses: Iterable[dict[str, object]], upstream_of: dict[str, 
         detail = ", ".join(f"{n} {kind}" for kind, n in counts.items())
         lines.append(f"  {upstream} {'/'.join(versions)}: {len(present)} patch{'es' if len(present) > 1 else ''} ({detail})")
     if missing:
-        lines.append(f"  not installed: {', '.join(missing)}")
+        lines += textwrap.wrap(f"not installed: {', '.join(missing)}", WIDTH, initial_indent="  ",
+                               subsequent_indent="    ", break_on_hyphens=False)
     return lines

@@ -8,7 +8,7 @@ checkpoint gradpatch has not patched, a reentrant torch checkpoint, a ``@torch.n
 simply a parameter the loss never reached. "Reached" means the backward wrote a gradient: one that is
 exactly zero (LoRA's ``lora_A`` while ``lora_B`` is still zero) is healthy. While it watches a step
 (:func:`grad_doctor`, ``gradpatch doctor``) it sees torch's reentrant checkpoint however it is called,
-and patched samplers run with ``cache=True`` (no graph) inside a loss (``gradpatch/_doctor_watch.py``).
+and patched samplers run with ``cache=True`` (no graph) inside a loss (``gradpatch/doctor/_watch.py``).
 :func:`grad_doctor` wraps one training step and prints the diagnosis; ``gradpatch doctor script.py`` runs a whole script that way. Under the ``budget:<size>``
 checkpoint policy both also print its plan (:func:`checkpoint_plan_text`).
 """
@@ -23,7 +23,7 @@ from typing import Iterator
 import torch
 import torch.utils.checkpoint
 
-from gradpatch._doctor_watch import Watch, watching
+from gradpatch.doctor._watch import Watch, watching
 from gradpatch.patching import activation
 from gradpatch.patching.fingerprint import Fingerprints
 
@@ -293,16 +293,3 @@ def grad_doctor(*models: torch.nn.Module, file=None) -> Iterator[Diagnosis]:
     plan = checkpoint_plan_text(*models)
     if plan:
         print(f"gradpatch doctor: {plan}", file=stream)
-
-
-def run_script(path: str, argv: list[str]) -> None:
-    """Run a Python script, diagnosing every model it trains after each backward (``gradpatch doctor``).
-
-    The script runs as ``python path ARGS`` would run it: as ``__main__``, with ``sys.argv`` set and its
-    folder first on ``sys.path`` (so it imports its sibling modules). A missing file exits with status 2
-    and a message. The models are found as the outermost modules called before a backward; findings
-    are printed once.
-    """
-    from gradpatch._doctor_script import run
-
-    run(path, argv)

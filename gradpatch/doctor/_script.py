@@ -1,7 +1,7 @@
 """``gradpatch doctor SCRIPT``: run a script, diagnosing every model it trains after each backward.
 
 The models are the outermost modules called before a backward (not blocks recomputed during it) and
-the modules a patched sampler ran on with ``cache=True``; see :func:`gradpatch.doctor.run_script`.
+the modules a patched sampler ran on with ``cache=True``; see :func:`run_script`.
 """
 from __future__ import annotations
 
@@ -12,11 +12,18 @@ import weakref
 
 import torch
 
-from gradpatch._doctor_watch import watching
-from gradpatch.doctor import checkpoint_plan_text, explain_grads
+from gradpatch.doctor._watch import watching
+from gradpatch.doctor.diagnosis import checkpoint_plan_text, explain_grads
 
 
-def run(path: str, argv: list[str]) -> None:
+def run_script(path: str, argv: list[str]) -> None:
+    """Run a Python script, diagnosing every model it trains after each backward (``gradpatch doctor``).
+
+    The script runs as ``python path ARGS`` would run it: as ``__main__``, with ``sys.argv`` set and its
+    folder first on ``sys.path`` (so it imports its sibling modules). A missing file exits with status 2
+    and a message. The models are found as the outermost modules called before a backward; findings
+    are printed once.
+    """
     if not os.path.isfile(path):
         print(f"gradpatch doctor: cannot run {path!r}: no such file", file=sys.stderr)
         raise SystemExit(2)
