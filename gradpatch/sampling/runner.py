@@ -50,6 +50,7 @@ from typing import Any, Callable, ContextManager, Iterator, TypeVar
 import torch
 import torch.utils.checkpoint
 
+from gradpatch.sampling import _step_checkpoint
 from gradpatch.sampling.options import (OPTIONS, SamplingOptions, check_flag, check_keywords,  # noqa: F401
                                      sampling_options, swallowed_keywords)
 
@@ -215,7 +216,7 @@ def run_step(step: int, total: int, fn: Callable[..., T], *args: Any, **kwargs: 
             with run.active():
                 return fn(*args, **kwargs)
 
-        return torch.utils.checkpoint.checkpoint(replay, *args, use_reentrant=False, **kwargs)  # type: ignore[return-value]
+        return _step_checkpoint.checkpoint(replay, *args, **kwargs)
     return fn(*args, **kwargs)
 
 
