@@ -34,6 +34,7 @@ from typing import Any, Callable, TypeVar
 
 import torch
 import torch.utils.checkpoint
+from torch.multiprocessing.reductions import StorageWeakRef
 
 T = TypeVar("T")
 
@@ -50,7 +51,7 @@ def _cuda_devices(args: tuple, kwargs: dict) -> list[int]:
 class _Frame:
     """One evaluation: what its recompute needs, and the recomputed tensors while backward uses them."""
 
-    __slots__ = ("fn", "args", "kwargs", "rng", "devices", "cuda_rng", "autocast", "count", "values", "left")
+    __slots__ = ("fn", "args", "kwargs", "rng", "devices", "cuda_rng", "autocast", "count", "values", "left", "seen")
 
     def __init__(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
         self.fn, self.args, self.kwargs, self.count = fn, args, kwargs, 0
@@ -61,9 +62,18 @@ class _Frame:
                          for device in ("cpu", "cuda") if torch.is_autocast_enabled(device)]
         self.values: list[torch.Tensor | None] | None = None
         self.left = 0
+        self.seen: dict[Any, tuple[Any, int]] | None = None  # measured: storage -> (weak ref, bytes)
 
     def pack(self, tensor: torch.Tensor) -> tuple[_Frame, int]:
         self.count += 1
+        if self.seen is not None:  # one entry per storage; an address freed and reused is a new one
+            storage = tensor.untyped_storage()
+            key = storage.data_ptr()
+            entry = self.seen.get(key)
+            if entry is None or entry[0].expired():
+                if entry is not None:
+                    self.seen[(key, len(self.seen))] = entry
+                self.seen[key] = (StorageWeakRef(storage), storage.nbytes())
         return self, self.count - 1
 
     def recompute(self) -> None:
@@ -134,3 +144,23 @@ def _inner_plain() -> Any:
     from gradpatch.settings import scope
 
     return scope(checkpoint_policy="never")
+
+
+def measured(fn: Callable[..., T], *args: Any, **kwargs: Any) -> tuple[T, int]:
+    """:func:`checkpoint`, and the bytes keeping the evaluation's graph would have added: those of the
+    storages it saved for backward that were freed when it returned (as
+    :mod:`gradpatch.checkpointing._measure` counts a block's own bytes). Storages still alive (the
+    inputs, parameters, the output) cost nothing more when kept, and each storage counts once."""
+    frame = _Frame(fn, args, kwargs)
+    frame.seen = {}
+    with torch.autograd.graph.saved_tensors_hooks(frame.pack, _unpack), _inner_plain():
+        out = fn(*args, **kwargs)
+    seen, frame.seen = frame.seen, None
+    return out, sum(size for ref, size in seen.values() if ref.expired())
+
+
+def kept(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """``fn(*args, **kwargs)``, its graph kept, with gradpatch's block checkpoints inside it plain as in
+    :func:`measured` (so it keeps what was measured)."""
+    with _inner_plain():
+        return fn(*args, **kwargs)
