@@ -194,7 +194,7 @@ def test_step_budget_keeps_what_fits_and_gradients_stay_exact(single_thread, mon
 
 @pytest.mark.parametrize("value, error, message", [
     ("budget:lots", ValueError, "checkpoint_steps='budget:lots': 'lots' is not a size"),
-    ("fast", ValueError, r"checkpoint_steps must be True, False or 'budget:<size>'"),
+    ("fast", TypeError, r"checkpoint_steps must be True or False, or a string 'budget:<size>'"),
     (1, TypeError, "checkpoint_steps must be True or False"),
 ])
 def test_step_budget_option_is_validated(single_thread, value, error, message):

@@ -53,8 +53,8 @@ def check_flag(name: str, value: object) -> None:
 
 def step_budget(checkpoint_steps: object) -> int | None:
     """The bytes of ``checkpoint_steps="budget:<size>"`` (sizes as for the checkpoint policy:
-    ``"budget:512MiB"``, ``"budget:2GB"``, ``"budget:1.5e9"``); None for True or False. A string of
-    another form is a ValueError, any other type a TypeError."""
+    ``"budget:512MiB"``, ``"budget:2GB"``, ``"budget:1.5e9"``); None for True or False. A bad size is
+    a ValueError; another string (``"yes"``, read by truth value) or type a TypeError."""
     if not isinstance(checkpoint_steps, str):
         check_flag("checkpoint_steps", checkpoint_steps)
         return None
@@ -62,8 +62,8 @@ def step_budget(checkpoint_steps: object) -> int | None:
 
     text = checkpoint_steps.strip()
     if not is_budget(text):
-        raise ValueError(f"checkpoint_steps must be True, False or 'budget:<size>' ({EXAMPLE!r}), "
-                         f"not {checkpoint_steps!r}")
+        raise TypeError(f"checkpoint_steps must be True or False, or a string 'budget:<size>' ({EXAMPLE!r}), "
+                        f"not {checkpoint_steps!r} (str)")
     try:
         return budget_bytes(PREFIX + text[len(PREFIX):].strip())
     except ValueError as error:
