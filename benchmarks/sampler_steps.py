@@ -8,7 +8,8 @@ graph), ``checkpoint_steps=True`` (each denoiser evaluation recomputed in backwa
 of the plain call's forward (sampling) and backward. Recomputing every evaluation once costs at most
 another ``F``, so the ideal ratio of a checkpointed call to the plain one is ``(2F + B) / (F + B)``;
 ``x ideal`` is the measured ratio (median of per-round ratios) over it. The machine's load moves single
-timings by tens of percent: adjacent runs share it, so per-round ratios are the steadier figure.
+wall times by tens of percent: times are thread CPU time (one thread), and adjacent runs share
+the load, so per-round ratios are the steadier figure.
 
 ``--compare`` also times the previous implementation (one ``torch.utils.checkpoint`` per evaluation,
 RNG state preserved and nested checkpoints recomputing again) in the same rounds: before and after
@@ -111,28 +112,32 @@ def previous_runner():
 
 
 def timed(call, model, options: dict, context=contextlib.nullcontext) -> tuple[float, float]:
-    """(forward seconds, backward seconds) of one call."""
+    """(forward seconds, backward seconds) of one call: thread CPU time (torch on one thread computes
+    on the calling thread), which other processes on a shared machine disturb least."""
+    clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
     with context():
-        start = time.perf_counter()
+        start = clock()
         loss = call(**options)
-        middle = time.perf_counter()
+        middle = clock()
         loss.backward()
-        end = time.perf_counter()
+        end = clock()
     model.zero_grad(set_to_none=True)
     return middle - start, end - middle
 
 
-def graph_bytes(call, model) -> int:
-    """Bytes of the non-parameter storages alive after a plain call's forward (its graph), as the
-    budget planner measures them."""
-    from gradpatch.checkpointing._measure import live_storage_bytes
+def allocated_after_forward(call, options: dict) -> int:
+    """Bytes still allocated after a call's forward (profiler memory events), the graph's included."""
+    from torch.profiler import ProfilerActivity, profile
 
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    before = live_storage_bytes(params)
-    loss = call()
-    kept = live_storage_bytes(params) - before
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        loss = call(**options)
     del loss
-    return kept
+    return sum(e.self_cpu_memory_usage for e in prof.events())
+
+
+def graph_bytes(call) -> int:
+    """What the plain call's graph holds beyond ``checkpoint_steps=True``'s, measured at the allocator."""
+    return allocated_after_forward(call, {}) - allocated_after_forward(call, {"checkpoint_steps": True})
 
 
 def main() -> int:
@@ -162,7 +167,7 @@ def main() -> int:
             if args.compare:
                 modes["checkpoint_steps before"] = ({"checkpoint_steps": True}, previous_runner)
             if args.budget:
-                half = graph_bytes(call, model) // 2
+                half = graph_bytes(call) // 2
                 modes[f"budget:{half / 2**20:.2f}MiB"] = ({"checkpoint_steps": f"budget:{half}"}, contextlib.nullcontext)
             times: dict[str, list[tuple[float, float]]] = {m: [] for m in modes}
             for i in range(args.rounds):
