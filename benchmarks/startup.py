@@ -6,12 +6,14 @@
 4. ``GRADPATCH=1`` with a real target, beyond the target's own import (target: < 30 ms): the
    import time of the modules gradpatch adds to ``import audioldm`` (those the target does not import
    itself) plus the time spent inside gradpatch's import hooks;
-5. the scan for family copies (``gradpatch.patching.scan``) on ``import diffusers`` + ``import audioldm``
-   (target: under 5% of those imports and under 20 ms), in CPU time: the per-module check times the
-   modules checked, the examinations of modules holding a member name, the scan's finder beyond
-   PathFinder's own work (measured side by side) times its calls, and the ``sys.modules`` sweep that
-   ``apply()`` runs. Comparing whole imports with ``GRADPATCH_SCAN=0`` cannot resolve it: their
-   run-to-run scatter is larger than the scan's total.
+5. watching every module body and scanning it for family copies (``gradpatch.patching.watcher``,
+   ``gradpatch.patching.scan``) on ``import diffusers`` + ``import audioldm`` (target: under 5% of those
+   imports and under 20 ms), in CPU time: the module bodies the watcher saw times the cost of one
+   (the watcher's own work per import, measured side by side with the same work unwatched, plus the
+   listener's common path), the patching and examinations of modules holding a target or a member
+   name, and the ``sys.modules`` sweep that ``apply()`` runs; also what the watch adds to an
+   ``import x`` of a module already imported. Comparing whole imports with ``GRADPATCH_SCAN=0``
+   cannot resolve it: their run-to-run scatter is larger than the total.
 
 Usage: python benchmarks/startup.py [--quick]
 """
@@ -54,8 +56,9 @@ HOOK_TIMER = """
 import json, time, gradpatch.patching.activation as a
 spent = [0.0]
 inner = a._on_import
-def timed(module):
-    t = time.perf_counter(); inner(module); spent[0] += time.perf_counter() - t
+def timed(module, **kw):
+    t = time.perf_counter(); found = inner(module, **kw); spent[0] += time.perf_counter() - t
+    return found
 a._on_import = timed
 t = time.perf_counter(); import audioldm; total = time.perf_counter() - t
 print(json.dumps([spent[0] * 1e3, total * 1e3, [str(r.status) for r in a.report()]]))
@@ -63,41 +66,56 @@ print(json.dumps([spent[0] * 1e3, total * 1e3, [str(r.status) for r in a.report(
 
 
 # Timers around every call would cost more than the calls they time (a few hundred ns each), so the
-# import counts what the scan does, times the rare examinations directly, and the per-call costs of
-# the common paths are measured afterwards in the same process. All in this thread's CPU time (best
-# of repeats), import included: on a shared machine wall time mostly measures the other processes.
+# import counts the bodies the watcher saw, times the rare patchings and examinations directly, and
+# the per-call costs of the common paths are measured afterwards in the same process. All in this
+# thread's CPU time (best of repeats), import included: on a shared machine wall time mostly measures
+# the other processes.
 SCAN_PROBE = """
-import json, sys, time, timeit
-from importlib.machinery import PathFinder
-import gradpatch.patching.scan as scan
-checked, finds, examined = [0], [0], []
-check, examine, find_spec = scan._imported, scan._examine, scan._find_spec
-def counted_check(module, late=False):
-    checked[0] += 1
-    return check(module, late)
-def timed_examine(*args):
-    t = time.thread_time(); found = examine(*args); examined.append(time.thread_time() - t)
+import json, sys, time, timeit, types
+import _frozen_importlib
+import gradpatch.patching.activation as a
+from gradpatch.patching import ledger, scan, watcher
+seen, examined, patched = [0], [], []
+listener, on_import = watcher._listener, a._on_import
+def counted(module, late):
+    seen[0] += 1
+    listener(module, late)
+def timed_on_import(module, **kw):
+    target = module.__name__ in ledger._index()
+    t = time.thread_time(); found = on_import(module, **kw)
+    (patched if target else examined).append(time.thread_time() - t)
     return found
-def counted_find(*args):
-    finds[0] += 1
-    return find_spec(*args)
-scan._imported, scan._examine, scan._find_spec = counted_check, timed_examine, counted_find
+watcher._listener, a._on_import = counted, timed_on_import
 t = time.thread_time(); import diffusers, audioldm; total = time.thread_time() - t
-scan._imported, scan._examine, scan._find_spec = check, examine, find_spec
+watcher._listener, a._on_import = listener, on_import
 def best(function, number):
     return min(timeit.repeat(function, number=number, repeat=9, timer=time.thread_time)) / number
-plain = [m for m in list(sys.modules.values())
-         if isinstance(getattr(m, "__dict__", None), dict) and m.__dict__.keys().isdisjoint(scan._names)]
-per_check = best(lambda: [check(m) for m in plain], 10) / len(plain)
-lookups = [(m.__name__, sys.modules[m.__spec__.parent].__path__) for m in plain
-           if getattr(m, "__spec__", None) is not None and m.__spec__.parent in sys.modules
-           and m.__spec__.origin and m.__spec__.origin.endswith(".py")][:300]
-scan_find = best(lambda: [scan._ScanPathFinder.find_spec(n, p) for n, p in lookups], 3) / len(lookups)
-path_find = best(lambda: [PathFinder.find_spec(n, p) for n, p in lookups], 3) / len(lookups)
-sweep = best(scan.sweep, 10)
-found = [r.patch for r in scan.sweep()]
-print(json.dumps([total * 1e3, checked[0], per_check * 1e6, len(examined), sum(examined) * 1e3, finds[0],
-                  (scan_find - path_find) * 1e6, sweep * 1e3, len(sys.modules), found]))
+index = ledger._index()
+plain = [m for m in list(sys.modules.values()) if type(m) is types.ModuleType
+         and m.__name__ not in index and not scan.candidate(m.__dict__)]
+per_listen = best(lambda: [listener(m, False) for m in plain], 10) / len(plain)
+# The watcher's own work per import: the spec's flag set and cleared through the property (the
+# listener told of a module that is not in sys.modules: nothing to deliver) and the exec_module
+# wrapper around a loader that does nothing, each against the same work unwatched.
+spec = _frozen_importlib.ModuleSpec("gradpatch_benchmark_absent", None)
+module = types.ModuleType("gradpatch_benchmark_absent")
+def flag():
+    spec._initializing = True
+    spec._initializing = False
+noop = lambda loader, module: None
+wrapped = watcher._wrap(noop)
+def calls(function):
+    return lambda: [function(None, module) for _ in range(100)]
+watched = best(lambda: [flag() for _ in range(100)], 100) / 100 + best(calls(wrapped), 100) / 100
+watcher.stop()
+bare = best(lambda: [flag() for _ in range(100)], 100) / 100 + best(calls(noop), 100) / 100
+again_bare = best(lambda: [__import__("json") for _ in range(100)], 100) / 100
+watcher.start(listener)
+again_watched = best(lambda: [__import__("json") for _ in range(100)], 100) / 100
+with ledger._lock:
+    sweep = best(a._sweep, 10)
+print(json.dumps([total * 1e3, seen[0], per_listen * 1e6, (watched - bare) * 1e6, len(examined), sum(examined) * 1e3,
+                  (again_watched - again_bare) * 1e9, sweep * 1e3, len(sys.modules), len(patched), sum(patched) * 1e3]))
 """
 
 def self_times(**env: str) -> dict[str, int]:
@@ -149,15 +167,15 @@ def main() -> None:
           f"(extra beyond the target's own import: {hooks + added:.1f} ms)")
 
     runs = [json.loads(run(SCAN_PROBE, GRADPATCH="1").splitlines()[-1]) for _ in range(max(3, repeats // 3))]
-    total, checked, per_check, n_examined, examined, finds, per_find, sweep, modules, found = [
-        statistics.median(r[i] for r in runs) if isinstance(runs[0][i], float) else runs[0][i] for i in range(10)]
-    cost = checked * per_check / 1e3 + examined + finds * max(per_find, 0.0) / 1e3
-    print(f"scan, GRADPATCH=1, import diffusers + audioldm ({total:.0f} ms CPU, {checked} modules): {cost:.2f} ms "
-          f"({cost / total:.3%}) = {checked} checks x {per_check:.2f} us + {n_examined} examined "
-          f"({examined:.2f} ms) + {finds} finder calls x {per_find:+.2f} us beyond PathFinder; "
-          f"copies found: {found or 'none'}")
-    print(f"  + sys.modules sweep at apply(), after both imports: {sweep:.2f} ms over {modules} modules")
-
+    total, seen, per_listen, per_watch, n_examined, examined, per_again, sweep, modules, n_patched, patched = [
+        statistics.median(r[i] for r in runs) if isinstance(runs[0][i], float) else runs[0][i] for i in range(11)]
+    cost = seen * (per_listen + max(per_watch, 0.0)) / 1e3 + examined
+    print(f"watch + scan, GRADPATCH=1, import diffusers + audioldm ({total:.0f} ms CPU, {seen} module bodies): "
+          f"{cost:.2f} ms ({cost / total:.3%}) = {seen} x ({per_watch:.2f} us watching + {per_listen:.2f} us "
+          f"listener) + {n_examined} examined by the scan ({examined:.2f} ms); patching the {n_patched} "
+          f"targets among them: {patched:.1f} ms")
+    print(f"  + sys.modules sweep at apply(), after both imports: {sweep:.2f} ms over {modules} modules; "
+          f"`import x` of a module already imported: {per_again:+.0f} ns while watching")
 
 if __name__ == "__main__":
     main()

@@ -27,7 +27,8 @@ class ConfigWarning(GradpatchWarning):
 
 
 class UnknownCodeWarning(GradpatchWarning):
-    """A target exists but its code matches no known fingerprint, so it was left alone."""
+    """A target exists but its code matches no known fingerprint, is not what its source defines (a
+    wrapper), or cannot be read (no source), so it was left alone; the message says which, and what to do."""
 
 
 class PatchFailedWarning(GradpatchWarning):

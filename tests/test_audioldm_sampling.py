@@ -426,14 +426,18 @@ def test_img2img_path_and_first_stage_encode(model):
                              unconditional_conditioning=torch.zeros_like(cond), cache=False, grad_steps=2)
         got = _with_input_grad(model, loss_of(out), x)
         assert model.encode_first_stage(mel).mode().grad_fn is None  # cache=True: upstream's no_grad
-    assert_close_set(got, reference(no_grad_calls=3))
+    want = reference(no_grad_calls=3)
+    # grad_steps=2 of 5: the latent entering step 3 is detached, so the input mel (reached only through
+    # the initial latent) gets no gradient; the reference's early no_grad calls leave it a path.
+    assert got[-1] is None and want[-1] is not None
+    assert_close_set(got[:-1], want[:-1])
 
 
 def _with_input_grad(model, loss, x):
     model.zero_grad(set_to_none=True)
     x.grad = None
     loss.backward()
-    return [p.grad.clone() for p in unet_params(model)] + [x.grad.clone()]
+    return [p.grad.clone() for p in unet_params(model)] + [None if x.grad is None else x.grad.clone()]
 
 
 def test_pixel_space_ddpm_loop():

@@ -13,7 +13,7 @@ import torch
 import gradpatch
 from gradpatch.testing import audioldm_batch, audioldm_unet
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 SCRIPT = Path(__file__).with_name("scripts") / "ddp_audioldm.py"
 
 

@@ -13,7 +13,8 @@ tiny random convolutional network with dropout; no weights, no downloads. Every 
   the first calls under ``no_grad``: as many as the first N-K steps make, counted from the algorithm
   (Heun, DPM-2, DPM-2 ancestral, DPM++ 2S ancestral and DPM++ SDE make two calls per step and one in the
   last, whose next sigma is 0; the others one), not from the fix's loop tracking. The total number of
-  calls is checked against that count. The two adaptive samplers refuse ``grad_steps``.
+  calls is checked against that count. The parameters' gradients equal the reference's and the noise
+  gets none: the latent entering step N-K is detached. The two adaptive samplers refuse ``grad_steps``.
 
 Slow: every PyPI release's samplers (0.0.3 to 0.1.1.post1, wheels) hash to catalogue entries whose
 labels span that release; 0.0.5, 0.0.7, 0.0.10 and 0.0.15, which carry every fingerprint 0.0.16 on
@@ -95,7 +96,7 @@ def grads(model, name, fn=None, denoiser=None, **options):
     model.zero_grad()
     loss.backward()
     assert all(p.grad is not None for p in model.parameters())
-    return [p.grad.clone() for p in model.parameters()] + [x.grad.clone()]
+    return [p.grad.clone() for p in model.parameters()] + [None if x.grad is None else x.grad.clone()]
 
 
 def reference(model, name, no_grad_calls=0):
@@ -216,8 +217,12 @@ def test_grad_steps_equals_a_reference_with_early_calls_under_no_grad(name, k):
     got = grads(model, name, cache=False, grad_steps=k)
     both = grads(model, name, cache=False, grad_steps=k, checkpoint_steps=True)
     everything = grads(model, name, cache=False, grad_steps=STEPS)
-    assert_grads_equal(got, want)
-    assert_grads_equal(both, want)
+    # A graph only through the last K steps: the latent entering step N-K is detached, so the noise
+    # gets no gradient (the reference's early no_grad calls still leave it the state's identity path)
+    # and the parameters get those of the last K steps' calls.
+    assert got[-1] is None and both[-1] is None and want[-1] is not None
+    assert_grads_equal(got[:-1], want[:-1])
+    assert_grads_equal(both[:-1], want[:-1])
     assert_grads_equal(everything, full)  # K >= N is the plain run
     assert any(not torch.allclose(g, f) for g, f in zip(got[:-1], full[:-1]))  # truncation did something
     assert kd.trange.__module__.startswith("tqdm")  # the loop shadow lasted the call only
@@ -340,7 +345,8 @@ def test_a_concurrent_cache_true_call_is_unaffected():
     upstream_trange = kd.trange
     order.run(run_a, run_b)
     assert torch.equal(got["b"], want_b)
-    assert_grads_equal(got["a"], want_a)
+    assert got["a"][-1] is None  # grad_steps=1: the latent entering the last step is detached
+    assert_grads_equal(got["a"][:-1], want_a[:-1])
     assert kd.trange is upstream_trange
 
 
@@ -451,7 +457,7 @@ def run(kd):
             return None
         model.zero_grad()
         (out * torch.linspace(-1, 2, out.shape[-1])).square().mean().backward()
-        return [p.grad.clone() for p in model.parameters()] + [x.grad.clone()]
+        return [p.grad.clone() for p in model.parameters()] + [None if x.grad is None else x.grad.clone()]
     def close(a, b):
         return a is not None and b is not None and all(
             bool(torch.isfinite(u).all()) and torch.allclose(u, v, rtol=1e-5, atol=1e-8) for u, v in zip(a, b))
@@ -489,7 +495,8 @@ def run(kd):
             with torch.enable_grad():
                 truncated = grads(raw, name, counted_by(sum(per_step[:-1])))
             result["calls_per_step"] = calls[0] == sum(per_step)
-            result["grad_steps"] = close(grads(fn, name, cache=False, grad_steps=1), truncated)
+            got = grads(fn, name, cache=False, grad_steps=1)  # the latent entering the last step detached
+            result["grad_steps"] = got is not None and got[-1] is None and close(got[:-1], truncated[:-1])
         results[name] = result
     return results
 

@@ -86,8 +86,11 @@ def test_lifted_copy_keeps_closure_defaults_and_metadata(module):
     assert (lifted.__qualname__, lifted.__module__, lifted.__doc__) == (raw.__qualname__, "liftee", raw.__doc__)
     assert lifted.__globals__ is module.__dict__
     assert lifted.__code__.co_filename == raw.__code__.co_filename
-    assert lift_no_grad(Model.forward) is lifted  # cached per code object
-    assert lift_no_grad(module.make(torch.tensor(5.0)).forward) is lifted  # hence one closure: the first's
+    assert lift_no_grad(Model.forward) is lifted  # cached per function
+    Five = module.make(torch.tensor(5.0))
+    other = lift_no_grad(Five.forward)  # another closure of the same code
+    assert other is not lifted and other.__code__ is lifted.__code__  # compiled once
+    assert other(Five(), torch.ones(3)).tolist() == [16.0] * 3  # its own cells (k=5), not the first's
     module.OFFSET = 10.0  # the same globals: later rebinding is seen
     assert lifted(Model(), torch.zeros(1)).item() == 10.0
 

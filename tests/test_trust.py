@@ -211,13 +211,13 @@ print(json.dumps([inside, other, settings.strict]))
 def test_fork_while_another_thread_holds_the_locks(fake_upstream):
     out = _run(fake_upstream, """
 import contextlib, os, threading, time
-from gradpatch.patching import activation
+from gradpatch.patching import activation, ledger
 from gradpatch import settings
 import gradpatch.sampling.runner as sampling
 held, done = threading.Event(), threading.Event()
 def hold():
     with contextlib.ExitStack() as stack:
-        for module in (activation, settings, sampling):
+        for module in (activation, ledger, settings, sampling):
             if hasattr(module, "_lock"):
                 stack.enter_context(module._lock)
         held.set()

@@ -13,6 +13,7 @@ import torch
 from gradpatch.checkpointing._compat import is_compiling
 from gradpatch.checkpointing._graph_path import graph_path as _graph_path
 from gradpatch.checkpointing._recompute import ESCAPED, attempt
+from gradpatch.checkpointing._sharding import sharded_inside
 
 # Functions that took the graph path once: module -> {function}, or code object -> {None}. Weak
 # keys: a module or code object that goes away takes its entry with it; nothing else is held.
@@ -27,6 +28,8 @@ def run(func: Callable[..., Any], args: tuple, kwargs: dict | None) -> Any:
     owner, tag = _escape_key(func)
     if isinstance(owner, torch.nn.Module) and owner.__dict__.get("_is_replica"):
         return _graph_path(func, args, kwargs)  # DataParallel: parameters computed in another thread
+    if sharded_inside(func):  # FSDP2/FSDP1/ZeRO-3 hooks inside: recompute within the graph
+        return _graph_path(func, args, kwargs, rebind=False)
     try:
         escaped = tag in _ESCAPED.get(owner, ())
     except TypeError:  # not weak-referenceable: nothing is remembered

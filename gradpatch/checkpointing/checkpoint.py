@@ -25,7 +25,12 @@ modules, DataParallel replicas, closure tensors computed beforehand), return an 
 one (which the caller may modify in place), return something other than a tensor or a flat tuple,
 return tensors sharing storage, or run under ``torch.compile``. Such a call is redone, RNG rewound,
 and its function (per module and method, or per code object) goes straight to this path from then
-on. Its recompute puts the forward's parameters back into the module first.
+on. Its recompute puts the forward's parameters back into the module first. Calls with modules
+inside that a sharding engine manages (FSDP2 ``fully_shard``, FSDP1 ``FullyShardedDataParallel``,
+DeepSpeed ZeRO-3 parameters) take this path from their first call, without that rebinding: the
+engine's hooks must see the recompute inside the autograd graph, as they do with torch's checkpoint
+(``gradpatch.checkpointing._sharding``). A block that is itself the engine's unit, or is wrapped
+from outside (DDP, ZeRO-1/2), keeps the fast path.
 
 Trade-off: the fast path does upstream's work plus the forward's graph, which a forward must build
 for the block to see the grad mode and ``requires_grad`` flags its recompute sees; that graph is
@@ -188,7 +193,23 @@ class _Upstream:
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):
             raise AttributeError(name)
-        return importlib.import_module(name.replace(":", "."))
+        return _ModuleRef(name.replace(":", "."))
+
+
+class _ModuleRef:
+    """A module, by name, that pickles: protocols below 4 pickle a dotted qualname as
+    ``getattr(parent, last)`` and so pickle the parent, which a module object cannot be."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(importlib.import_module(self.__dict__["_name"]), name)
+
+    def __reduce__(self) -> tuple:
+        return _ModuleRef, (self._name,)
 
 
 _upstream = _Upstream()

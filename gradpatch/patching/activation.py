@@ -1,182 +1,139 @@
-"""apply, revert, applied: choosing patches and putting them in place, at import time.
+"""apply, revert, applied, report: choosing patches and putting them in place, at import time.
 
-All state lives here, under one re-entrant lock: the known patches, which are wanted, what is
-installed (in order, so revert is LIFO) and a :class:`~gradpatch.patching.registry.Record` per patch. Hooks run
-in the importing thread after each execution of a target's body (first import, re-import, reload) and
-take this lock; a failing fix is recorded and reported, never propagated into the user's ``import``
-(unless strict). A fork resets the lock in the child, so a lock held by another thread of the parent
-cannot deadlock it.
+While any patch is wanted, :mod:`~gradpatch.patching.watcher` calls one listener, :func:`_body_ran`,
+after every execution of a module body (first import, re-import, reload, a lazy module's first use;
+any finder, any loader), in the executing thread, before the importer binds names from the module. It
+applies the wanted patches whose target is that module; for any other module holding a family
+member's name it asks :mod:`~gradpatch.patching.scan` for copies of a selected family and adopts
+them: they join the known patches, so a reload patches them again and every later selection of their
+family selects them. When revert() leaves nothing wanted, the watcher stops and the import system is
+exactly as it was. The state (what is known, wanted, installed, recorded) and applying one patch live
+in :mod:`~gradpatch.patching.ledger`, under its lock.
+
+Layers, lowest first, each importing only those below it: :mod:`~gradpatch.patching.watcher`
+(imports nothing of gradpatch), :mod:`~gradpatch.patching.hooks` (install, rebind),
+:mod:`~gradpatch.patching.scan` (recognise copies), :mod:`~gradpatch.patching.ledger`, this module.
 """
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
-import threading
 from types import ModuleType
 from typing import Iterable, Iterator
 
 from gradpatch import environment, settings
-
-from gradpatch.patching import selection
-from gradpatch.errors import ConfigWarning, PatchFailedWarning, UnknownCodeWarning, complain, logger
-from gradpatch.patching.hooks import MISSING, Installed, forget, install, locate, resolve, uninstall, watch, when_initialised
+from gradpatch.errors import ConfigWarning, PatchFailedWarning, complain
+from gradpatch.patching import ledger, watcher
+from gradpatch.patching import scan as scanning
+from gradpatch.patching.hooks import forget, uninstall
+from gradpatch.patching.ledger import (_adopted, _apply_now, _index, _installed, _record, _records,  # noqa: F401
+                                       _requested, _superseded, _unseen, _wanted, known_patches, select)
 from gradpatch.patching.registry import Patch, Record, Report, Status
 from gradpatch.patching.versions import _contains, _installed_version, split_requirement  # noqa: F401 (used by cli, tests)
 
-_lock = threading.RLock()
-_patches: dict[str, Patch] | None = None
-_wanted: set[str] = set()
-_installed: dict[str, Installed] = {}  # insertion order is install order
-_superseded: dict[str, list[Installed]] = {}  # fixes of earlier executions of a reloaded module
-_records: dict[str, Record] = {}
 
-
-def _reset_lock_in_child() -> None:
-    global _lock
-    _lock = threading.RLock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_reset_lock_in_child)
-
-
-def known_patches() -> dict[str, Patch]:
-    """Every declared patch by name (the built-in catalogue, then plug-ins)."""
-    global _patches
-    with _lock:
-        if _patches is None:
-            from gradpatch.patching import catalogue
-
-            _patches = catalogue.load()
-        return _patches
-
-
-def select(names: Iterable[object] = (), exclude: object = (), *, source: str = "apply()",
-           exclude_source: str = "exclude") -> tuple[list[Patch], list[Patch]]:
-    """``(selected, excluded)`` among :func:`known_patches`: see :func:`gradpatch.patching.selection.select`."""
-    return selection.select(known_patches(), names, exclude, source=source, exclude_source=exclude_source)
-
-
-def _record(patch: Patch, status: Status, reason: str = "", **fields: object) -> None:
-    _records[patch.name] = Record(patch.name, patch.upstream, patch.target, status, reason, **fields)  # type: ignore[arg-type]
-
-
-def _in_place(installed: Installed, module: ModuleType, qualname: str) -> bool:
-    try:
-        return locate(module, qualname)[2] is installed.replacement
-    except (AttributeError, LookupError):
-        return False
-
-
-def _apply_now(patch: Patch, module: ModuleType, *, late: bool) -> None:
-    """Recognise and install one patch on an imported module; record the outcome. Lock held."""
-    if patch.name not in _wanted:
+def _body_ran(module: ModuleType, late: bool) -> None:
+    """The watcher's listener: ``module``'s body has run. Cheap for the modules gradpatch has no
+    business with (a dict lookup and a key test, no lock); never breaks the import (unless strict)."""
+    namespace = watcher.namespace(module)
+    name = namespace.get("__name__") if namespace is not None else None
+    if not isinstance(name, str) or (name not in _index() and not scanning.candidate(namespace)):  # type: ignore[arg-type]
         return
-    previous = _installed.get(patch.name)
-    if previous is not None:
-        if _in_place(previous, module, patch.qualname):
-            return
-        # The body ran again (importlib.reload, or a re-import after the module left sys.modules) and
-        # bound upstream's objects anew: fix those. Names bound to the earlier fix keep it until revert.
-        _superseded.setdefault(patch.name, []).append(_installed.pop(patch.name))
-        logger.info("%s ran again: re-applying %s", patch.module, patch.name)
-    version = None
-    unknown = None
     try:
-        version, problem = _installed_version(patch.requires)
-        if problem:
-            _record(patch, Status.SKIPPED, problem, version=version)
-            return
-        owner, attr, original = locate(module, patch.qualname)
-        if original is MISSING:  # an inherited class attribute: recognise what the class sees
-            original = getattr(owner, attr)
-        ours = next((i.name for i in _installed.values() if i.replacement is original), None)
-        if ours is not None:  # e.g. sgm's attention rebound a checkpoint gradpatch already fixed
-            _record(patch, Status.SKIPPED, f"already gradpatch's fix (from {ours})", version=version)
-            return
-        identity = patch.recognise.identify(module, patch.qualname, original)
-        if identity.verdict == "fixed":
-            _record(patch, Status.SKIPPED, f"fixed upstream ({identity.label})", variant=identity.label, version=version)
-            return
-        if identity.verdict == "unknown":
-            _record(patch, Status.SKIPPED, f"unknown code (fingerprint {identity.label})",
-                    variant=identity.label, version=version)
-            unknown = identity.label
-        else:
-            factory = resolve(patch.fix)
-            in_use = [other.replacement for other in _installed.values()]
-            installed = install(patch.name, module, patch.qualname, factory, late=late, in_use=in_use)  # type: ignore[arg-type]
-    except Exception as exc:
-        _record(patch, Status.FAILED, f"{type(exc).__name__}: {exc}", version=version)
-        complain(PatchFailedWarning, f"gradpatch: patch {patch.name!r} failed on {patch.target} and "
-                 f"was not applied: {type(exc).__name__}: {exc}")
-        return
-    if unknown is not None:  # outside the try: in strict mode this raises, recorded as skipped
-        # One warning per module, not one per patch on it (e.g. checkpoint and CheckpointFunction).
-        names = [p.name for p in known_patches().values() if p.module == patch.module and p.name in _wanted]
-        if not any(n != patch.name and n in _records and _records[n].reason.startswith("unknown code")
-                   for n in names):
-            complain(UnknownCodeWarning, f"gradpatch: {patch.module} does not match any known version "
-                     f"(fingerprint {unknown}), so gradpatch left it alone ({', '.join(names)}). "
-                     "If it is a copy of the known-broken code, add this fingerprint to the catalogue.")
-        return
-    _installed[patch.name] = installed
-    _record(patch, Status.APPLIED, patch.summary, variant=identity.label, version=version,
-            rebound=installed.rebound_names())
-    logger.info("applied %s to %s (%s)", patch.name, patch.target, identity.label)
-
-
-def _on_import(module: ModuleType, *, late: bool = False) -> None:
-    """Apply every wanted patch that targets ``module``, whose body has just run."""
-    with _lock:
-        for patch in known_patches().values():
-            if patch.module == module.__name__:
-                _apply_now(patch, module, late=late)
-
-
-def _guarded_on_import(module: ModuleType, *, late: bool = False) -> None:
-    # Whatever happens in here must not break the user's import (strict mode excepted).
-    try:
-        _on_import(module, late=True) if late else _on_import(module)  # benchmarks time _on_import(module)
+        _on_import(module, late=late)
     except Exception as exc:
         if settings.strict:
             raise
-        complain(PatchFailedWarning, f"gradpatch: error while patching {module.__name__}: {exc!r}")
+        complain(PatchFailedWarning, f"gradpatch: error while patching {name}: {exc!r}")
 
 
-def _on_import_finished(module: ModuleType) -> None:
-    # Called when an import that was already running at apply() finishes: another thread may have
-    # bound names from the module meanwhile, so rebind as for a late apply.
-    _guarded_on_import(module, late=True)
+def _on_import(module: ModuleType, *, late: bool = False) -> list[Record]:
+    """Apply every wanted patch that targets ``module``, whose body has just run; for a module no
+    patch targets, adopt the copies of selected families the scan finds in it. The lock is taken only
+    to patch: looking for a copy (most modules holding a member's name hold none, such as
+    ``torch.utils.checkpoint``) never waits for a thread that holds it while importing."""
+    name = module.__name__
+    if name.partition(".")[0] == "gradpatch":
+        return []
+    if name in _index():
+        with ledger._lock:
+            for patch in _index().get(name, ()):
+                _apply_now(patch, module, late=late)
+        return []
+    namespace = watcher.namespace(module)
+    if namespace is None or not scanning.candidate(namespace):
+        return []
+    selected = [family for family in scanning.families() if _family_wanted(family.fixes())]
+    found = scanning.copies(module, namespace, selected) if selected else []
+    records: list[Record] = []
+    if found:
+        with ledger._lock:
+            for family, patches in found:
+                if _family_wanted(family.fixes()):  # still: a revert may have run meanwhile
+                    records += _adopt(patches, module, late=late, fixes=family.fixes())
+    return records
 
 
-def _initialised(name: str) -> ModuleType | None:
-    module = sys.modules.get(name)
-    if module is None or getattr(getattr(module, "__spec__", None), "_initializing", False):
-        return None
-    return module
+def _family_wanted(fixes: frozenset[str]) -> bool:
+    """Whether a wanted declared patch uses one of a family's ``fixes``: its copies are wanted then.
+    Reads snapshots, without the lock."""
+    patches = ledger._patches or {}
+    return any(getattr(patches.get(name), "fix", None) in fixes for name in list(_wanted) if name not in _adopted)
+
+
+def _adopt(patches: Iterable[Patch], module: ModuleType, *, late: bool, fixes: frozenset[str]) -> list[Record]:
+    """Apply ``patches`` that :mod:`gradpatch.patching.scan` built for a family copy found in ``module``. They
+    join this process's catalogue, so report(), revert(), a reload and every later selection of the
+    family treat them as declared patches. Lock held."""
+    new = [patch for patch in patches if patch.name not in known_patches()]
+    for patch in new:  # all of them first: one warning names every patch on the module
+        known_patches()[patch.name] = patch
+        _adopted[patch.name] = fixes
+        _wanted.add(patch.name)
+    for patch in new:
+        _apply_now(patch, module, late=late)
+    return [_records[p.name] for p in patches if p.name in _records]
+
+
+def _sweep() -> list[Record]:
+    """Adopt the copies in modules imported before the scan was on (or by a loader the watcher
+    cannot see); a module still being imported is examined when its body finishes. Lock held."""
+    records: list[Record] = []
+    index = _index()
+    for module in list(sys.modules.values()):
+        namespace = watcher.namespace(module)
+        if namespace is None or not scanning.candidate(namespace) or watcher.unloaded(module):
+            continue  # nothing to find, or a lazy module not loaded yet: examined when it loads
+        name = namespace.get("__name__")
+        if not isinstance(name, str) or name in index:
+            continue
+        if watcher.running(module):
+            watcher.defer(module)
+            continue
+        try:
+            records += _on_import(module, late=True)  # type: ignore[arg-type]
+        except Exception as exc:
+            if settings.strict:
+                raise
+            complain(PatchFailedWarning, f"gradpatch: error while scanning {name}: {exc!r}")
+    return records
 
 
 def _start(patch: Patch) -> None:
     """Make ``patch`` wanted: apply it now, or when its module's body has run. Lock held."""
     _wanted.add(patch.name)
-    watch(patch.module, _guarded_on_import)  # every later execution of the body: import, reload
     module = sys.modules.get(patch.module)
-    if module is not None and _initialised(patch.module) is None:
+    if module is None:
+        _record(patch, Status.DEFERRED, f"waiting for {patch.module} to be imported")
+    elif watcher.unloaded(module):
+        _record(patch, Status.DEFERRED, f"waiting for {patch.module}, imported lazily, to load on first use")
+    elif watcher.running(module):
         # Its body is running right now (in another thread, or further up this thread's stack).
         _record(patch, Status.DEFERRED, f"waiting for the import of {patch.module} in progress to finish")
-        if when_initialised(module, _on_import_finished):  # may call back at once: recorded first
-            return
-        module = _initialised(patch.module)
-        if module is None:
-            _record(patch, Status.DEFERRED, f"waiting for {patch.module} to be imported")
+        if not watcher.defer(module):
             complain(PatchFailedWarning, f"gradpatch: {patch.module} is being imported and its import "
                      f"cannot be watched, so {patch.name!r} is applied only if it is imported again; call "
                      "gradpatch.apply() again once that import has finished")
-            return
-    if module is None:
-        _record(patch, Status.DEFERRED, f"waiting for {patch.module} to be imported")
     else:
         _apply_now(patch, module, late=True)
 
@@ -223,32 +180,43 @@ def _apply(names: tuple, exclude: object, env: environment.Environment, scan: bo
     if exclude is None:
         exclude, exclude_source = env.exclude, "GRADPATCH_EXCLUDE"
     selected, excluded = select(names, exclude, source=source, exclude_source=exclude_source)  # type: ignore[arg-type]
-    with _lock:
+    scan_on = env.scan if scan is None else bool(scan)
+    with ledger._lock:
         for patch in excluded:
             if patch.name not in _wanted:
                 _record(patch, Status.SKIPPED, "excluded")
+        scanning.enabled = scan_on
+        if scan_on:
+            scanning.families()
+        if selected:
+            watcher.start(_body_ran)
         for patch in selected:
-            if patch.name not in _wanted:
+            if patch.name not in _wanted or _unseen(patch):
                 _start(patch)
-        from gradpatch.patching import scan as scanning
+        # Copies the scan adopted earlier are part of every selection of their family.
+        again = [known_patches()[name] for name, fixes in _adopted.items()
+                 if scan_on and name not in _wanted and _family_wanted(fixes)]
+        for patch in again:
+            _start(patch)
+        found = _sweep() if scan_on and selected else []
+        return Report([_records[p.name] for p in selected + excluded + again if p.name in _records] + found)
 
-        found = scanning.start(env.scan if scan is None else bool(scan))
-        return Report([_records[p.name] for p in selected + excluded if p.name in _records] + found)
 
-
-def adopt(patches: Iterable[Patch], module: ModuleType, *, late: bool, fixes: frozenset[str]) -> list[Record]:
-    """Apply ``patches`` that :mod:`gradpatch.patching.scan` built for a family copy found in ``module``, an
-    undeclared path, while a wanted patch uses one of the family's ``fixes``. They join this
-    process's catalogue, so report(), revert() and apply() treat them as declared patches."""
-    with _lock:
-        if not any(known_patches()[name].fix in fixes for name in _wanted):
-            return []
-        for patch in patches:
-            if patch.name not in known_patches():
-                known_patches()[patch.name] = patch
-                _wanted.add(patch.name)
-                _apply_now(patch, module, late=late)
-        return [_records[p.name] for p in patches if p.name in _records]
+def request(patch: Patch) -> Record:
+    """Add ``patch`` to this process's catalogue and apply it now or when its module is imported
+    (:func:`gradpatch.differentiable`'s string form). Requesting the same target again with other
+    options reverts the earlier patch first; once reverted, it leaves the catalogue (a later
+    ``apply()`` does not bring it back). Returns its record."""
+    with ledger._lock:
+        known = known_patches()
+        if patch.name in known and known[patch.name] != patch and patch.name in _wanted:
+            revert(patch.name)
+        known[patch.name] = patch
+        _requested.add(patch.name)
+        if patch.name not in _wanted:
+            watcher.start(_body_ran)
+            _start(patch)
+        return _records[patch.name]
 
 
 def revert(*names: str | Iterable[str]) -> Report:
@@ -257,9 +225,15 @@ def revert(*names: str | Iterable[str]) -> Report:
     A target that something else has replaced since is left alone with a
     :class:`~gradpatch.RevertWarning`. Reverted patches are no longer applied on later imports.
     """
-    with _lock:
+    with ledger._lock:
         chosen = select(names, source="revert()")[0] if names else [known_patches()[n] for n in _wanted]
         chosen_names = {p.name for p in chosen}
+        # A copy the scan adopted goes with the last wanted declared patch of its family.
+        left = _wanted - chosen_names
+        for name, fixes in _adopted.items():
+            if name in left and not any(known_patches()[n].fix in fixes for n in left if n not in _adopted):
+                chosen.append(known_patches()[name])
+                chosen_names.add(name)
         for name in reversed(list(_installed)):
             if name in chosen_names:
                 uninstall(_installed.pop(name))
@@ -270,6 +244,11 @@ def revert(*names: str | Iterable[str]) -> Report:
             if patch.name in _wanted:
                 _wanted.discard(patch.name)
                 _record(patch, Status.REVERTED, "reverted")
+            if patch.name in _requested:  # asked for once: a later apply() does not bring it back
+                _requested.discard(patch.name)
+                known_patches().pop(patch.name, None)
+        if not _wanted:
+            watcher.stop()  # the import system exactly as it was
         return Report(_records[p.name] for p in chosen if p.name in _records)
 
 
@@ -288,13 +267,13 @@ def applied(*names: str | Iterable[str], exclude: str | Iterable[str] | None = N
     policy = checkpoint if checkpoint is not None else env.checkpoint
     if policy is not None:
         overrides["checkpoint_policy"] = settings.check_policy(policy)
-    with _lock:
+    with ledger._lock:
         before = set(_wanted)
     with settings.scope(**overrides):
         try:
             yield _apply(names, exclude, env, scan)
         finally:
-            with _lock:
+            with ledger._lock:
                 mine = [name for name in _wanted if name not in before]
             if mine:
                 revert(*mine)
@@ -302,6 +281,13 @@ def applied(*names: str | Iterable[str], exclude: str | Iterable[str] | None = N
 
 def report() -> Report:
     """What happened to every patch this process has selected: applied, deferred, skipped (with the
-    reason), failed (with the error) or reverted."""
-    with _lock:
+    reason), failed (with the error) or reverted. A patch not in place although its module's body has
+    run (by a loader gradpatch cannot watch) says so, and is warned about once."""
+    with ledger._lock:
+        for name in [name for name in _wanted if _records.get(name, None) is not None]:
+            why = _unseen(known_patches()[name])
+            if why is not None and _records[name].reason != why:
+                _record(known_patches()[name], Status.DEFERRED, why)
+                if not settings.strict:  # a report is for reading: it never raises
+                    complain(PatchFailedWarning, f"gradpatch: {name!r} is not applied: {why}", once=True)
         return Report(_records.values())

@@ -42,16 +42,51 @@ _parsed: dict[tuple[str, str | None], Parsed] = {}
 _compiled: dict[str, object] = {}  # module file -> the module's code, compiled from its source
 
 
+class NoSource(LookupError):
+    """The module's source cannot be read, so nothing in it can be recognised. The message says
+    why, in words fit for a warning; :attr:`advice` says what would make it readable."""
+
+    def __init__(self, message: str, advice: str) -> None:
+        super().__init__(message)
+        self.advice = advice
+
+
+def _no_source(module: ModuleType) -> NoSource:
+    """Why ``module``'s source cannot be read, and what to do about it."""
+    namespace = getattr(module, "__dict__", {})
+    file = namespace.get("__file__")
+    spec = namespace.get("__spec__")
+    loader = getattr(spec, "loader", None) or namespace.get("__loader__")
+    name = namespace.get("__name__", "?")
+    if isinstance(file, str) and file.endswith((".pyc", ".pyo")):
+        return NoSource(f"{name} was loaded from bytecode ({file}) with no .py source beside it",
+                        "put its .py source where it is imported from (e.g. install the package "
+                        "with its sources) and import it again")
+    if file is None and loader is None:
+        return NoSource(f"{name} has no source file and no loader (a module built in memory, e.g. "
+                        "types.ModuleType and exec)",
+                        "create it from its .py file instead (importlib.util.spec_from_file_location, "
+                        "module_from_spec, then spec.loader.exec_module)")
+    where = f"from {file}" if isinstance(file, str) else "without a file"
+    return NoSource(f"{name} was loaded {where} by {type(loader).__name__}, which gives no source",
+                    "import it from its .py file, or give its loader a get_source() that returns the "
+                    "module's source")
+
+
 def parse_module(module: ModuleType) -> Parsed:
-    """The module's source, parsed once per module file (the source is read, never re-executed)."""
+    """The module's source as parsed, once per module file (the source is read, never re-executed):
+    its file through :mod:`linecache` (plain files, zip files), else its loader's ``get_source``.
+    Raises :class:`NoSource` when neither gives it."""
     key = (module.__name__, getattr(module, "__file__", None))
     if key not in _parsed:
         import inspect
 
         try:
             source = inspect.getsource(module)
-        except (OSError, TypeError) as missing:  # a built-in, a .pyc without source, exec'd code
-            raise LookupError(f"no source for {module.__name__} ({missing})") from None
+        except (OSError, TypeError):  # a .pyc without source, a module built in memory
+            source = _loader_source(module)
+            if source is None:
+                raise _no_source(module) from None
         tree = ast.parse(source)
         import __future__
 
@@ -61,6 +96,20 @@ def parse_module(module: ModuleType) -> Parsed:
                 flags |= sum(getattr(__future__, alias.name).compiler_flag for alias in node.names)
         _parsed[key] = Parsed(tree, import_aliases(tree), flags, key[1] or module.__name__)
     return _parsed[key]
+
+
+def _loader_source(module: ModuleType) -> str | None:
+    namespace = getattr(module, "__dict__", {})
+    for loader in (getattr(namespace.get("__spec__"), "loader", None), namespace.get("__loader__")):
+        get_source = getattr(loader, "get_source", None)
+        if callable(get_source):
+            try:
+                source = get_source(namespace.get("__name__"))
+            except (ImportError, OSError, TypeError, ValueError):
+                continue
+            if isinstance(source, str):
+                return source
+    return None
 
 
 def _first_line(node: ast.AST) -> int:

@@ -23,12 +23,15 @@ _VARARGS = 0x04  # inspect.CO_VARARGS
 
 def _positional(function: object) -> tuple[tuple[str, ...], bool] | None:
     """``(positional parameter names, takes *args)`` of a plain function (through staticmethod and
-    ``functools.wraps`` layers), or None for anything else."""
+    ``functools.wraps`` layers: a copy wrapped by a decorator or an import hook, such as jaxtyping's,
+    keeps its shape, and is then reported as not the module's own definition), or None for anything
+    else."""
     for _ in range(4):
-        code = getattr(function, "__code__", None)
-        if code is not None:
-            return code.co_varnames[:code.co_argcount], bool(code.co_flags & _VARARGS)
-        function = getattr(function, "__func__", None) or getattr(function, "__wrapped__", None)
+        inner = getattr(function, "__func__", None) or getattr(function, "__wrapped__", None)
+        if inner is None:
+            code = getattr(function, "__code__", None)
+            return None if code is None else (code.co_varnames[:code.co_argcount], bool(code.co_flags & _VARARGS))
+        function = inner
     return None
 
 

@@ -24,9 +24,11 @@ import sys
 from types import ModuleType
 from typing import Callable, Literal, Mapping, NamedTuple, Protocol, Sequence
 
-from gradpatch.patching.definitions import definition_of, import_aliases, lookup, parse_module
+from gradpatch.patching.definitions import NoSource, definition_of, import_aliases, lookup, parse_module
 
-Verdict = Literal["known", "fixed", "unknown"]
+#: ``unreadable``: the module's source cannot be read (the label says why and what to do), so the code
+#: cannot be recognised at all.
+Verdict = Literal["known", "fixed", "unknown", "unreadable"]
 
 
 class Identity(NamedTuple):  # NamedTuples, not dataclasses: ~0.5 ms to define instead of ~2 at start-up
@@ -162,6 +164,8 @@ class Fingerprints(NamedTuple):
             if qualname not in names:
                 definition_of(module, qualname, original)
             digest = fingerprint_objects(module, names, {qualname: original})
+        except NoSource as missing:
+            return Identity("unreadable", f"{missing}; to have it recognised, {missing.advice}")
         except LookupError as missing:  # the definition moved, was removed, or is not what runs
             return Identity("unknown", str(missing))
         if digest in self.known:

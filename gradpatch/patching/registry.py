@@ -18,7 +18,7 @@ from gradpatch.patching.fingerprint import Recogniser
 
 class Status(str, enum.Enum):
     APPLIED = "applied"
-    DEFERRED = "deferred"  # wanted; its target module is not imported yet
+    DEFERRED = "deferred"  # wanted; its target's body has not run yet (or ran unseen: see the reason)
     SKIPPED = "skipped"  # left alone on purpose: see the record's reason
     FAILED = "failed"  # the fix raised; the target is as it was
     REVERTED = "reverted"

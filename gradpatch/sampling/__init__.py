@@ -5,5 +5,8 @@
 steps), ``lift`` (compiling a copy of a function without its in-body ``no_grad``), and the
 specifics: ``function_sampler`` (F5/E2, k-diffusion, stable-audio-tools: samplers that are
 functions or methods), ``ldm``/``ldm_guards``/``ldm_dpm_solver`` (the latent-diffusion family's native
-samplers), ``diffusers``/``diffusers_run`` (pipelines).
+samplers), ``diffusers``/``diffusers_run`` (pipelines). ``any_sampler`` is ``gradpatch.differentiable``
+(torch-free; any sampler, on request or declared in the catalogue), run by ``generic`` with
+``_gradoff`` (the sampler's grad-off managers made inert), ``_inplace`` (copy on write) and
+``_window`` (where ``grad_steps`` resumes recording); ``_bytecode`` compares code for ``lift``.
 """

@@ -42,7 +42,7 @@ from gradpatch.errors import NotDifferentiableError, RevertWarning, complain
 from gradpatch.sampling.diffusers_run import differentiable_run, in_call, inside
 from gradpatch.sampling.options import (check_flag, check_keywords, sampling_options, step_budget,
                                       swallowed_keywords)
-from gradpatch.sampling.runner import active_options
+from gradpatch.sampling.runner import active_options, recording
 
 __all__ = ["NotDifferentiableError", "guard_modular_call", "no_grad_body", "patch_pipeline_hierarchy"]
 
@@ -138,7 +138,7 @@ def _guarded_call(original: Callable[..., Any], reason: str) -> Callable[..., An
 def _helper(original: Callable[..., Any], body: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def helper(self: Any, *args: Any, **kwargs: Any) -> Any:
-        return (body if in_call(self) and torch.is_grad_enabled() else original)(self, *args, **kwargs)
+        return (body if in_call(self) and recording() else original)(self, *args, **kwargs)
 
     return helper
 

@@ -10,10 +10,12 @@ one the interface of :mod:`gradpatch.sampling.runner`, keyword-only:
   (gradients on, also under an outer ``no_grad``; ``inference_mode`` refused). Gradients reach the
   denoiser's parameters and every differentiable input (``x``, tensors in ``extra_args``). The
   caller's train/eval modes are kept: these samplers never call ``eval()``.
-* ``grad_steps=K``: the denoiser evaluations of the first N-K steps run under ``no_grad``, where a
-  step is one iteration of the sampler's loop and N its length, so Heun, DPM-2, DPM++ 2S and DPM++ SDE
-  (two evaluations per step) and RK4 (four) are counted in steps, not calls. Multistep methods (LMS,
-  DPM++ 2M, 3M SDE) reuse earlier steps' denoised outputs, which are then constants.
+* ``grad_steps=K``: a graph only through the last K steps, where a step is one iteration of the
+  sampler's loop and N its length: grad is off from the first step until the last evaluation of step
+  N-K-1 returns, so the latent entering step N-K is detached (the noise ``x`` gets no gradient) and
+  Heun, DPM-2, DPM++ 2S and DPM++ SDE (two evaluations per step) and RK4 (four) are counted in steps,
+  not calls. Multistep methods (LMS, DPM++ 2M, 3M SDE) reuse earlier steps' denoised outputs, which
+  are then constants.
 * ``checkpoint_steps=True``: each denoiser evaluation is recomputed in backward instead of stored.
 
 How the step is known. For a call with ``grad_steps``, the ``model`` argument is replaced by a wrapper

@@ -60,7 +60,7 @@ import torch
 from gradpatch.errors import NotDifferentiableError
 from gradpatch.sampling.diffusers import no_grad_body
 from gradpatch.sampling.runner import (SamplingOptions, SamplingRun, _current, _shadow, _with_keywords,
-                                      check_keywords, differentiable, run_step, sampling_options,
+                                      check_keywords, differentiable, recording, run_step, sampling_options,
                                       swallowed_keywords)
 
 _UNSET: Any = object()
@@ -84,7 +84,7 @@ EMA_MESSAGE = (
 def _active() -> SamplingRun | None:
     """The ``cache=False`` call of this family in progress in this context, if grad is on."""
     run = _run.get()
-    return run if run is not None and run is _current.get() and torch.is_grad_enabled() else None
+    return run if run is not None and run is _current.get() and recording() else None
 
 
 _checked: set[type] = set()

@@ -12,6 +12,7 @@ import torch
 
 from gradpatch.errors import NotDifferentiableError
 from gradpatch.sampling.ldm import EMA_MESSAGE, _active, _counted, _in_ema, _sampling
+from gradpatch.sampling.options import SamplingOptions, check_flag
 
 
 def refuse_cache_false(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -24,8 +25,12 @@ def refuse_cache_false(original: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(original)
     def method(self: Any, *args: Any, **kwargs: Any) -> Any:
-        asked = kwargs.get("cache", True) is False or kwargs.get("grad_steps") is not None \
-            or kwargs.get("checkpoint_steps") or ("cache" not in kwargs and _active() is not None)
+        # Validated as every sampler's keywords: cache="False" or 0 is a TypeError, numpy.False_ is False.
+        check_flag("cache", kwargs.get("cache", True))
+        check_flag("checkpoint_steps", kwargs.get("checkpoint_steps", False))
+        options = SamplingOptions(kwargs.get("grad_steps"), kwargs.get("checkpoint_steps", False))
+        asked = not kwargs.get("cache", True) or options.grad_steps is not None or options.checkpoint_steps \
+            or ("cache" not in kwargs and _active() is not None)
         if asked:
             raise NotDifferentiableError(
                 f"{type(self).__name__}.{name} cannot run with cache=False: it samples inside ema_scope, converts "

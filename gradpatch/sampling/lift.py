@@ -18,9 +18,13 @@ only; the original object stays where it was.
 
 Trust. The source comes from the function's code object (``inspect.getsource`` on the unwrapped
 function, i.e. the file and first line the code records), and is used only if compiling it unchanged
-gives back the loaded code: the same instructions, names, variables and constants, nested code
-objects included (the method-call sequence, which differs between 3.11 micro releases, is
-normalised). A file edited after import and a ``.pyc`` without its source are refused. :class:`Liftable`, a recogniser for
+gives back the loaded code: the same instructions, names, variables and constants, jump targets
+and exception-table blocks (so an edit of indentation alone is seen), nested code objects included
+(the method-call sequence, which differs between 3.11 micro releases, is normalised). Only torch's
+grad-mode decorators are looked through: a ``functools.wraps`` wrapper someone installed is code of
+its own, recognised (and left alone) as such. The copy is cached per function (each closure of a
+factory keeps its own cells and defaults); the compiled code per code object. ``with`` blocks inside
+functions, lambdas and classes defined in the body are left as they are. A file edited after import and a ``.pyc`` without its source are refused. :class:`Liftable`, a recogniser for
 :class:`gradpatch.patching.registry.Patch`, fingerprints that same source (the hash
 ``python -m gradpatch.patching.fingerprint FILE Class.method`` prints) and reports anything else as unknown
 code, so the engine skips it with an :class:`~gradpatch.errors.UnknownCodeWarning` and records it like
@@ -40,6 +44,7 @@ from types import CodeType, FunctionType, ModuleType
 from typing import Any, Callable, Mapping, NamedTuple
 
 from gradpatch.patching.fingerprint import Identity, fingerprint_source
+from gradpatch.sampling._bytecode import same_code as _same_code
 
 GRAD_OFF = frozenset({"torch.no_grad", "torch.autograd.no_grad", "torch.autograd.grad_mode.no_grad",
                       "torch.inference_mode", "torch.autograd.inference_mode",
@@ -66,14 +71,24 @@ class _Parsed(NamedTuple):
 # Keyed by the code object's identity (code objects compare equal by content across files); the
 # values hold the code object, so an id is never reused while its entry exists.
 _parsed: dict[int, _Parsed] = {}
-_lifted: dict[int, FunctionType] = {}
+_lifted_code: dict[int, CodeType] = {}  # by the original's code (kept alive by _parsed)
+_lifted: dict[int, tuple[FunctionType, FunctionType]] = {}  # by function: its cells and defaults
+
+
+def _grad_mode_decorator(fn: object) -> bool:
+    """Whether ``fn`` is the wrapper torch's grad-mode decorators make (``@torch.no_grad()``,
+    ``@torch.inference_mode()``): ``decorate_context`` or ``generator_context`` of torch's _contextlib."""
+    code = getattr(fn, "__code__", None)
+    return (isinstance(code, CodeType) and code.co_name in ("decorate_context", "generator_context")
+            and code.co_filename.replace("\\", "/").endswith("torch/utils/_contextlib.py"))
 
 
 def _unwrap(fn: object) -> FunctionType:
-    import inspect
-
-    fn = getattr(fn, "__func__", fn)  # staticmethod, classmethod, bound method
-    raw = inspect.unwrap(fn) if callable(fn) else fn  # type: ignore[arg-type]
+    """The function ``fn`` runs, looking through torch's grad-mode decorators only: anyone else's
+    ``functools.wraps`` wrapper is code of its own (looking through it would drop it)."""
+    raw = getattr(fn, "__func__", fn)  # staticmethod, classmethod, bound method
+    while _grad_mode_decorator(raw) and hasattr(raw, "__wrapped__"):
+        raw = raw.__wrapped__  # type: ignore[union-attr]
     if not isinstance(raw, FunctionType):
         raise LiftError(f"{fn!r} is not a Python function")
     return raw
@@ -152,37 +167,6 @@ def _compile(parsed: _Parsed, node: ast.FunctionDef | ast.AsyncFunctionDef) -> C
     return next(c for c in outer_code.co_consts if isinstance(c, CodeType) and c.co_name == node.name)
 
 
-def _instructions(code: CodeType) -> list[tuple[str, object]]:
-    """The instruction stream, normalised across 3.11 micro versions (which differ in the method-call
-    sequence) and free of offsets (jump targets move with it)."""
-    import dis
-
-    out = []
-    for ins in dis.get_instructions(code):
-        if ins.opname in ("CACHE", "PRECALL", "PUSH_NULL", "EXTENDED_ARG", "NOP", "RESUME"):
-            continue
-        name = "LOAD_ATTR" if ins.opname == "LOAD_METHOD" else ins.opname
-        out.append((name, None if ins.opcode in dis.hasjrel + dis.hasjabs or isinstance(ins.argval, CodeType)
-                    else ins.argval))
-    return out
-
-
-def _same_code(a: CodeType, b: CodeType) -> bool:
-    """Whether ``a`` (compiled here from the source) is the loaded ``b``: the same instructions, names,
-    variables and constants, nested code objects included."""
-    fields = ("co_names", "co_varnames", "co_freevars", "co_cellvars", "co_argcount", "co_posonlyargcount",
-              "co_kwonlyargcount", "co_name")
-    if any(getattr(a, f) != getattr(b, f) for f in fields) or len(a.co_consts) != len(b.co_consts):
-        return False
-    for x, y in zip(a.co_consts, b.co_consts):
-        if isinstance(x, CodeType) or isinstance(y, CodeType):
-            if not (isinstance(x, CodeType) and isinstance(y, CodeType) and _same_code(x, y)):
-                return False
-        elif type(x) is not type(y) or (x != y and x == x):  # NaN constants compare unequal to themselves
-            return False
-    return _instructions(a) == _instructions(b)
-
-
 def _dotted(expr: ast.expr, aliases: Mapping[str, str]) -> str | None:
     parts: list[str] = []
     while isinstance(expr, ast.Attribute):
@@ -208,8 +192,25 @@ def _grad_off(item: ast.withitem, aliases: Mapping[str, str]) -> bool:
 
 
 class _Lifter(ast.NodeTransformer):
+    """Removes the grad-off ``with`` items of the function it visits first, not those of functions,
+    lambdas or classes defined inside it (a nested helper's ``no_grad`` is its own business)."""
+
     def __init__(self, aliases: Mapping[str, str]) -> None:
-        self.aliases, self.removed = aliases, 0
+        self.aliases, self.removed, self.entered = aliases, 0, False
+
+    def visit_FunctionDef(self, node: Any) -> Any:
+        if self.entered:
+            return node
+        self.entered = True
+        return self.generic_visit(node)
+
+    visit_AsyncFunctionDef = visit_FunctionDef
+
+    def visit_ClassDef(self, node: ast.ClassDef) -> Any:
+        return node
+
+    def visit_Lambda(self, node: ast.Lambda) -> Any:
+        return node
 
     def visit_With(self, node: ast.With) -> Any:
         self.generic_visit(node)
@@ -238,16 +239,20 @@ def lift_no_grad(fn: object) -> FunctionType:
     code, or contains nothing to lift. See the module docstring for what the copy keeps.
     """
     parsed = _parse(fn)
-    raw = parsed.raw
-    if id(raw.__code__) in _lifted:
-        return _lifted[id(raw.__code__)]
-    lifter = _Lifter(parsed.aliases)
-    node = lifter.visit(copy.deepcopy(parsed.node))  # statements keep the original's line numbers
-    if not lifter.removed:
-        raise LiftError(f"{raw.__qualname__} has no `with torch.no_grad():` or `torch.inference_mode()` "
-                        "block in its body to lift")
-    code = _compile(parsed, node).replace(co_qualname=raw.__code__.co_qualname) \
-        if sys.version_info >= (3, 11) else _compile(parsed, node)
+    raw = _unwrap(fn)  # not parsed.raw: closures of one code object differ in cells and defaults
+    cached = _lifted.get(id(raw))
+    if cached is not None and cached[0] is raw:
+        return cached[1]
+    code = _lifted_code.get(id(raw.__code__))
+    if code is None:
+        lifter = _Lifter(parsed.aliases)
+        node = lifter.visit(copy.deepcopy(parsed.node))  # statements keep the original's line numbers
+        if not lifter.removed:
+            raise LiftError(f"{raw.__qualname__} has no `with torch.no_grad():` or `torch.inference_mode()` "
+                            "block in its body to lift")
+        code = _compile(parsed, node).replace(co_qualname=raw.__code__.co_qualname) \
+            if sys.version_info >= (3, 11) else _compile(parsed, node)
+        _lifted_code[id(raw.__code__)] = code
     cells = dict(zip(raw.__code__.co_freevars, raw.__closure__ or ()))
     missing = [name for name in code.co_freevars if name not in cells]
     if missing:
@@ -260,7 +265,7 @@ def lift_no_grad(fn: object) -> FunctionType:
     lifted.__dict__.update(raw.__dict__)
     lifted.__dict__.pop("__wrapped__", None)
     lifted.__gradpatch_lifted_from__ = raw  # type: ignore[attr-defined]
-    _lifted[id(raw.__code__)] = lifted
+    _lifted[id(raw)] = (raw, lifted)
     return lifted
 
 

@@ -14,11 +14,15 @@ the same model are unaffected.
 Memory. Backpropagating through N steps keeps N copies of the denoiser's activations. Two keyword-only
 options bound that (used with ``cache=False``):
 
-* ``grad_steps=K``: only the last K steps build a graph: the denoiser evaluations of the first N-K
-  solver steps run under ``no_grad`` (truncated backpropagation, as in DRaFT-K and AlignProp). For
-  single-step methods (Euler, midpoint, RK4) gradients equal those of a run that detaches the state
-  before step N-K; inputs used outside the denoiser (F5 pastes ``cond`` into the output) still get
-  theirs. ``K >= N`` is the plain run.
+* ``grad_steps=K``: a graph only through the last K steps (truncated backpropagation, as in DRaFT-K
+  and AlignProp): grad is off from the first evaluation of step 0 until the last evaluation of step
+  N-K-1 returns, so those evaluations and the state updates between them are not recorded, and from
+  then until step N-K starts whatever is computed from those evaluations is not recorded either
+  (:mod:`gradpatch.sampling._window`): the latent entering step N-K has no graph (the initial noise gets
+  no gradient), the conditioning prepared for it has. Gradients equal those
+  of a run that detaches the state before step N-K; what the sampler computes before its first step
+  (conditioning) and inputs used in the last K steps or after the loop (F5 pastes ``cond`` into the
+  output) still get theirs. ``K >= N`` is the plain run.
 * ``checkpoint_steps=True``: each denoiser evaluation is recomputed during backward instead of stored
   (non-reentrant :func:`torch.utils.checkpoint.checkpoint`, which replays the RNG, so dropout agrees),
   so saved memory grows by about one latent per step instead of one set of activations, at the cost of
@@ -75,7 +79,21 @@ class SamplingRun:
     options: SamplingOptions
     evaluations: int = 0
     budget: Any = field(default=None, repr=False)  # checkpoint_steps="budget:<size>": a StepBudget
+    cut: bool = False  # grad_steps: grad is off from the first step until step N-K-1 ends
     scopes: list[Callable[[], ContextManager[Any]]] = field(default_factory=list, repr=False)
+
+    window: Any = None  # grad_steps: the _window.Window between steps N-K-1 and N-K, while open
+
+    def open_window(self, tainted: Any) -> None:
+        from gradpatch.sampling._window import Window
+
+        self.window = Window(tainted)
+        self.window.__enter__()
+
+    def close_window(self) -> None:
+        if self.window is not None:
+            window, self.window = self.window, None
+            window.__exit__(None, None, None)
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
@@ -85,6 +103,7 @@ class SamplingRun:
             with contextlib.ExitStack() as stack:
                 for scope in self.scopes:
                     stack.enter_context(scope())
+                stack.callback(self.close_window)
                 yield
         finally:
             _current.reset(token)
@@ -199,6 +218,13 @@ def text_cache_off(denoiser: object) -> Iterator[None]:
         yield
 
 
+def recording() -> bool:
+    """Whether this context records a graph: grad on, or off only because ``grad_steps`` cut the early
+    steps (fixes that run their bodies only while grad is on must keep doing so in those steps)."""
+    run = _current.get()
+    return torch.is_grad_enabled() or (run is not None and run.cut)
+
+
 def run_step(step: int, total: int, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     """Evaluate the denoiser for step ``step`` (0-based) of ``total`` under the active options.
 
@@ -208,13 +234,29 @@ def run_step(step: int, total: int, fn: Callable[..., T], *args: Any, **kwargs: 
     cache still off) as the forward did.
     """
     run = _current.get()
-    if run is None or not torch.is_grad_enabled():
+    if run is None or not (torch.is_grad_enabled() or run.cut):
         return fn(*args, **kwargs)
     run.evaluations += 1
     options = run.options
-    if options.grad_steps is not None and step < total - options.grad_steps:
-        with torch.no_grad():
-            return fn(*args, **kwargs)
+    first = total - options.grad_steps if options.grad_steps is not None else 0
+    if step < first:
+        # Not recorded: this step's evaluations and the state updates after them. Grad resumes when
+        # the last evaluation of step N-K-1 returns; until step N-K starts, what is computed from the
+        # cut evaluations stays unrecorded (gradpatch.sampling._window), so the latent entering step N-K
+        # has no graph (DRaFT-K) while the conditioning prepared for it has.
+        run.close_window()
+        torch._C._set_grad_enabled(False)
+        run.cut = True
+        out = fn(*args, **kwargs)
+        if step == first - 1:
+            torch._C._set_grad_enabled(True)
+            run.cut = False
+            run.open_window(out)
+        return out
+    run.close_window()
+    if run.cut:  # a step at or after N-K whose predecessor did not end the cut (steps skipped)
+        torch._C._set_grad_enabled(True)
+        run.cut = False
     if options.checkpoint_steps:
         def replay(*args: Any, **kwargs: Any) -> T:  # the recompute in backward runs outside the call
             if _current.get() is run:

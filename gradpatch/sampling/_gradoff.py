@@ -1,0 +1,214 @@
+"""The grad-off constructs of a sampler's own code, made inert for one :func:`gradpatch.differentiable` call.
+
+While a call is active in a context (thread, task), and only there, torch's grad-off managers ask who
+entered them. ``torch.no_grad()``, ``torch.inference_mode()`` (mode True) and
+``torch.set_grad_enabled(False)`` do nothing when they are entered by *the sampler's code*: a
+decorator of any function the call reaches (torch's ``decorate_context``/``generator_context``, also
+behind wrappers that are not ``functools.wraps``-based), or a ``with`` block in a frame that is not
+inside a network. A network is a frame running ``forward`` of an ``nn.Module`` that is neither the
+target's own code nor itself decorated grad-off (Matcha's ``CFM.forward`` is a sampler): inside one,
+everything runs as written. torch's and gradpatch's own code are never touched. The frames are read
+up to the call's boundary (:data:`BOUNDARY` code objects), so a checkpoint recompute or a generator
+resumed by the caller is classified like the forward call.
+
+Refused with :class:`~gradpatch.errors.NotDifferentiableError` (message: what and where): a grad-off
+manager held in a variable and entered by the sampler (``ctx = torch.no_grad(); with ctx:``: it may be
+shared with code that means it), and a ``@contextmanager`` whose name holds ``ema`` (``ema_scope``: the
+samples would come from EMA weights swapped in with ``.data`` copies, not from the parameters being
+trained). ``nn.Module.train`` (so ``eval()``) called by the sampler's code is a no-op: the caller's
+train/eval modes hold during the call.
+
+The managers are patched at class level while at least one call is active (reference counted, under a
+lock); in every other context the patched methods run torch's own code.
+"""
+from __future__ import annotations
+
+import contextlib
+import dis
+import sys
+import threading
+from contextvars import ContextVar
+from types import CodeType, FrameType
+from typing import Any, Iterator
+
+import torch
+from torch.autograd import grad_mode
+
+from gradpatch.errors import NotDifferentiableError
+
+
+class Call:
+    """One active call: the target's code objects (its frames are the sampler's, also when it is a
+    ``forward``) and a name for messages."""
+
+    def __init__(self, where: str, codes: frozenset[CodeType]) -> None:
+        self.where, self.codes = where, codes
+
+
+_active: ContextVar[Call | None] = ContextVar("gradpatch_differentiable_call", default=None)
+BOUNDARY: set[CodeType] = set()  # code objects of gradpatch's frames that start a call (generic.py adds)
+
+
+def _generator() -> Iterator[None]:
+    yield
+
+
+_DECORATORS = frozenset({torch.no_grad()(lambda: None).__code__, torch.no_grad()(_generator).__code__})
+
+
+def _where(frame: FrameType) -> str:
+    return f"{frame.f_code.co_filename}:{frame.f_lineno} ({getattr(frame.f_code, 'co_qualname', frame.f_code.co_name)})"
+
+
+def _network(frame: FrameType, call: Call) -> bool:
+    if frame.f_code.co_name != "forward" or frame.f_code in call.codes:
+        return False
+    if not isinstance(frame.f_locals.get("self"), torch.nn.Module):
+        return False
+    return frame.f_back is None or frame.f_back.f_code not in _DECORATORS
+
+
+def in_sampler(frame: FrameType | None, call: Call) -> bool:
+    """Whether ``frame`` runs the sampler's code: the boundary is above it and no network between."""
+    while frame is not None:
+        if frame.f_code in BOUNDARY:
+            return True
+        if _network(frame, call):
+            return False
+        frame = frame.f_back
+    return False
+
+
+_opcodes: dict[CodeType, tuple[dict[int, int], list[str]]] = {}
+_WITH_MACHINERY = frozenset({"LOAD_SPECIAL", "COPY", "SWAP", "PUSH_NULL", "NOP", "CACHE"})  # 3.14's with
+
+
+def _fresh(frame: FrameType) -> bool:
+    """Whether the ``with`` being entered in ``frame`` made its manager by a call (``with f():``), not
+    from a variable or attribute (``with ctx:``): the instruction that produced it is a call."""
+    code = frame.f_code
+    if code not in _opcodes:
+        instructions = list(dis.get_instructions(code))
+        _opcodes[code] = ({ins.offset: i for i, ins in enumerate(instructions)}, [ins.opname for ins in instructions])
+    index, names = _opcodes[code]
+    at = index.get(frame.f_lasti)
+    if at is None:
+        return True  # not a layout this knows: lift, as for a fresh manager
+    at -= 1
+    while at >= 0 and names[at] in _WITH_MACHINERY:
+        at -= 1
+    return at < 0 or names[at].startswith(("CALL", "PRECALL"))
+
+
+def _lift(frame: FrameType, what: str, *, check_fresh: bool = True) -> bool:
+    """Whether the grad-off manager ``frame`` is entering belongs to the sampler's code."""
+    call = _active.get()
+    if call is None:
+        return False
+    decorated = frame.f_code in _DECORATORS
+    owner = frame.f_locals.get("func") if decorated else None
+    module = getattr(owner, "__module__", None) if decorated else frame.f_globals.get("__name__")
+    if str(module or "").partition(".")[0] in ("torch", "gradpatch"):
+        return False
+    if not in_sampler(frame, call):
+        return False
+    if check_fresh and not decorated and not _fresh(frame):
+        raise NotDifferentiableError(
+            f"gradpatch.differentiable({call.where}): a {what} manager held in a variable is entered at "
+            f"{_where(frame)}; gradpatch lifts only managers made where they are entered (`with {what}():` "
+            "or a decorator), since a shared one may be meant. Make it there, or call the sampler's "
+            "parts yourself under torch.enable_grad()")
+    return True
+
+
+_ORIGINAL = {
+    "no_grad.__enter__": grad_mode.no_grad.__enter__, "no_grad.__exit__": grad_mode.no_grad.__exit__,
+    "inference_mode.__enter__": grad_mode.inference_mode.__enter__,
+    "inference_mode.__exit__": grad_mode.inference_mode.__exit__,
+    "set_grad_enabled.__init__": grad_mode.set_grad_enabled.__init__,
+    "train": torch.nn.Module.train, "gcm.__enter__": contextlib._GeneratorContextManager.__enter__,
+}
+
+
+def _no_grad_enter(self: Any) -> None:
+    if _active.get() is not None and _lift(sys._getframe(1), "torch.no_grad()"):
+        self.__dict__["_gradpatch_lifted"] = True
+        return None
+    return _ORIGINAL["no_grad.__enter__"](self)
+
+
+def _no_grad_exit(self: Any, *exc: Any) -> None:
+    if self.__dict__.pop("_gradpatch_lifted", False):
+        return None
+    return _ORIGINAL["no_grad.__exit__"](self, *exc)
+
+
+def _inference_enter(self: Any) -> None:
+    if _active.get() is not None and self.mode and _lift(sys._getframe(1), "torch.inference_mode()"):
+        self.__dict__["_gradpatch_lifted"] = True
+        return None
+    return _ORIGINAL["inference_mode.__enter__"](self)
+
+
+def _inference_exit(self: Any, *exc: Any) -> None:
+    if self.__dict__.pop("_gradpatch_lifted", False):
+        return None
+    return _ORIGINAL["inference_mode.__exit__"](self, *exc)
+
+
+def _set_grad_enabled_init(self: Any, mode: bool) -> None:
+    if _active.get() is not None and not mode and _lift(sys._getframe(1), "torch.set_grad_enabled", check_fresh=False):
+        self.prev, self.mode = torch.is_grad_enabled(), torch.is_grad_enabled()  # entering/exiting changes nothing
+        return None
+    return _ORIGINAL["set_grad_enabled.__init__"](self, mode)
+
+
+def _train(self: Any, mode: bool = True) -> Any:
+    call = _active.get()
+    if call is not None and in_sampler(sys._getframe(1), call):
+        return self  # the caller's modes hold (eval() calls train(False))
+    return _ORIGINAL["train"](self, mode)
+
+
+def _gcm_enter(self: Any) -> Any:
+    call = _active.get()
+    name = getattr(getattr(getattr(self, "gen", None), "gi_code", None), "co_name", "")
+    if call is not None and "ema" in name.lower().split("_") and in_sampler(sys._getframe(1), call):
+        raise NotDifferentiableError(
+            f"gradpatch.differentiable({call.where}): {name}() at {_where(sys._getframe(1))} swaps EMA weights "
+            "into the model (copies through .data, invisible to autograd), so the graph would be built on "
+            "weights that are swapped back afterwards and the gradients would be wrong. Call the sampler "
+            "on the model without its EMA scope (e.g. the method it calls inside the scope)")
+    return _ORIGINAL["gcm.__enter__"](self)
+
+
+_PATCHES = [(grad_mode.no_grad, "__enter__", _no_grad_enter), (grad_mode.no_grad, "__exit__", _no_grad_exit),
+            (grad_mode.inference_mode, "__enter__", _inference_enter),
+            (grad_mode.inference_mode, "__exit__", _inference_exit),
+            (grad_mode.set_grad_enabled, "__init__", _set_grad_enabled_init), (torch.nn.Module, "train", _train),
+            (contextlib._GeneratorContextManager, "__enter__", _gcm_enter)]
+_lock = threading.Lock()
+_users = 0
+
+
+@contextlib.contextmanager
+def active(call: Call) -> Iterator[None]:
+    """Make ``call`` the active call of this context, with the managers patched, for the block."""
+    global _users
+    with _lock:
+        if _users == 0:
+            for (owner, name, ours), key in zip(_PATCHES, _ORIGINAL):
+                _ORIGINAL[key] = vars(owner)[name]  # whatever is there now (another library's, too)
+                setattr(owner, name, ours)
+        _users += 1
+    token = _active.set(call)
+    try:
+        yield
+    finally:
+        _active.reset(token)
+        with _lock:
+            _users -= 1
+            if _users == 0:
+                for (owner, name, ours), key in zip(_PATCHES, _ORIGINAL):
+                    if vars(owner).get(name) is ours:
+                        setattr(owner, name, _ORIGINAL[key])

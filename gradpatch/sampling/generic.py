@@ -1,0 +1,264 @@
+"""The machinery behind :func:`gradpatch.differentiable` (documented there): one call of any sampler.
+
+A ``cache=False`` call runs the original object, decorators and all, with, for its duration and in
+its context only: the sampler's grad-off constructs inert (:mod:`gradpatch.sampling._gradoff`), in-place
+writes copy-on-write (:mod:`gradpatch.sampling._inplace`), the ``step`` routed through
+:func:`~gradpatch.sampling.runner.run_step` (counted: call ``i`` is step ``i``) and the train/eval flags
+of the modules involved put back on exit. A generator is resumed the same way each time, and the
+caller's grad mode holds at every ``yield``. Inference tensors in what it returns or yields are cloned
+into normal ones. If gradients could flow (grad on, something requires grad) but nothing returned
+carries a graph, it raises :class:`~gradpatch.errors.NotDifferentiableError` instead of returning it.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import sys
+import types
+from contextvars import ContextVar
+from typing import Any, Callable, Iterator
+
+import torch
+
+from gradpatch.errors import NotDifferentiableError
+from gradpatch.sampling import _gradoff
+from gradpatch.sampling._inplace import CopyOnWrite
+from gradpatch.sampling._values import clean as _clean, codes as _codes, describe as _describe, tensors as _tensors
+from gradpatch.sampling.runner import (SamplingRun, _shadow, _with_keywords, run_step, sampling_options,
+                                      stepped_odeint)
+
+_UNSET: Any = object()
+
+
+def _start(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:  # the boundary of a call
+    return fn(*args, **kwargs)
+
+
+def _resume(gen: Any, how: str, value: Any) -> Any:  # the boundary of a generator's resumption
+    return getattr(gen, how)(value) if how != "throw" else gen.throw(value)
+
+
+_gradoff.BOUNDARY.update({_start.__code__, _resume.__code__, *(  # and a checkpoint's recompute
+    c for c in run_step.__code__.co_consts if isinstance(c, types.CodeType) and c.co_name == "replay")})
+
+
+class Sampler:
+    """What :func:`gradpatch.differentiable` was told: the function, ``step`` and ``steps``."""
+
+    def __init__(self, fn: Callable[..., Any], step: Any, steps: Any, where: str) -> None:
+        self.fn, self.step, self.steps, self.where = fn, step, steps, where
+        self.codes = _codes(fn)
+        try:
+            self.signature = inspect.signature(fn)
+        except (TypeError, ValueError):
+            self.signature = None
+
+    def _lookup(self, name: str, bound: inspect.BoundArguments | None, owner: Any) -> Any:
+        head, *rest = name.split(".")
+        if bound is not None and head in self.signature.parameters:  # type: ignore[union-attr]
+            bound.apply_defaults()
+            value = bound.arguments[head]
+        elif head == "self" and owner is not None:
+            value = owner
+        elif owner is not None and hasattr(owner, head):
+            value = getattr(owner, head)
+        elif head in vars(sys.modules.get(getattr(self.fn, "__module__", None) or "") or types.SimpleNamespace()):
+            value = vars(sys.modules[self.fn.__module__])[head]  # a global of the sampler's module (odeint)
+        else:
+            raise NotDifferentiableError(f"gradpatch.differentiable({self.where}): {name!r} is neither an argument "
+                                         "of the sampler, an attribute of its object nor a global of its module")
+        for part in rest:
+            value = getattr(value, part)
+        return value
+
+    def total(self, bound: inspect.BoundArguments | None, owner: Any) -> int:
+        steps = self.steps(bound.arguments if bound else {}) if callable(self.steps) else \
+            self._lookup(self.steps, bound, owner)
+        return int(steps)
+
+    def ode(self) -> bool:
+        """Whether ``step`` is torchdiffeq's ``odeint`` as the sampler's module names it: then the solver
+        numbers the steps (:func:`~gradpatch.sampling.runner.stepped_odeint`) and ``t`` gives N."""
+        module = sys.modules.get(getattr(self.fn, "__module__", None) or "")
+        step = vars(module).get(self.step) if isinstance(self.step, str) and module is not None else self.step
+        return str(getattr(step, "__module__", "")).startswith("torchdiffeq") and callable(step)
+
+    def target(self, bound: inspect.BoundArguments | None, owner: Any) -> tuple[Any, str]:
+        """``(object, attribute)`` to shadow so that every call of the step goes through gradpatch."""
+        step = self._lookup(self.step, bound, owner) if isinstance(self.step, str) else self.step
+        if isinstance(step, torch.nn.Module):
+            return step, "forward"
+        if inspect.ismethod(step):
+            return step.__self__, step.__name__
+        module = sys.modules.get(getattr(self.fn, "__module__", None) or "")
+        for name, value in vars(module or types.SimpleNamespace()).items():
+            if value is step:
+                return module, name
+        raise NotDifferentiableError(f"gradpatch.differentiable({self.where}): step={self.step!r} must be a "
+                                     "module, a bound method, or a function the sampler's module names")
+
+
+class _Run:
+    """The step count of one call, and its copy-on-write state."""
+
+    def __init__(self, sampler: Sampler, total: int | None, cow: CopyOnWrite) -> None:
+        self.sampler, self.total, self.cow, self.count, self.inside = sampler, total, cow, 0, False
+
+    def step(self, real: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        index, self.count = self.count, self.count + 1
+        if self.total is not None and index >= self.total:
+            raise RuntimeError(f"gradpatch.differentiable({self.sampler.where}): grad_steps: step was called "
+                               f"more than the {self.total} times steps says; step must be what one sampler step "
+                               "calls once (pass the method one step calls, or use checkpoint_steps)")
+        held = {id(a): self.cow.hold(a) for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)}
+
+        def evaluate(*a: Any, **k: Any) -> Any:  # in a checkpoint recompute: the inputs as they were
+            a = tuple(held[id(x)].value() if id(x) in held else x for x in a)
+            k = {n: held[id(x)].value() if id(x) in held else x for n, x in k.items()}
+            return real(*a, **k)
+
+        self.inside = True
+        try:
+            return _clean(run_step(index, self.total or 0, evaluate, *args, **kwargs))
+        finally:
+            self.inside = False
+
+
+_current: ContextVar[_Run | None] = ContextVar("gradpatch_differentiable_run", default=None)
+
+
+def _stepped(real: Callable[..., Any]) -> Callable[..., Any]:
+    """The step's stand-in: each call in a call's context (not nested in a step) is one step."""
+
+    def step(*args: Any, **kwargs: Any) -> Any:
+        run = _current.get()
+        if run is None or run.inside:
+            return real(*args, **kwargs)  # elsewhere, or inside a step (CFG calling forward twice)
+        return run.step(real, args, kwargs)
+
+    return step
+
+
+@contextlib.contextmanager
+def _modes_kept(objects: list[Any]) -> Iterator[None]:
+    modules = {id(m): m for o in objects if isinstance(o, torch.nn.Module) for m in o.modules()}
+    flags = [(m, m.training) for m in modules.values()]
+    try:
+        yield
+    finally:
+        for module, flag in flags:
+            module.training = flag
+
+
+def call(sampler: Sampler, original: Callable[..., Any], args: tuple, kwargs: dict, owner: Any,
+         grad_steps: Any, checkpoint_steps: Any) -> Any:
+    """One ``cache=False`` call of ``original(*args, **kwargs)`` (module docstring)."""
+    options = sampling_options(False, grad_steps, checkpoint_steps)
+    where = sampler.where
+    if (options.grad_steps is not None or options.checkpoint_steps) and sampler.step is None:
+        raise ValueError(f"gradpatch.differentiable({where}): grad_steps and checkpoint_steps need step=, what one "
+                         "sampler step calls (a module, a method, or the name of an attribute or argument)")
+    ode = sampler.step is not None and sampler.ode()
+    if options.grad_steps is not None and sampler.steps is None and not ode:
+        raise ValueError(f"gradpatch.differentiable({where}): grad_steps needs steps=, the argument holding the "
+                         "number of steps")
+    bound = None
+    if sampler.signature is not None and (sampler.step is not None or sampler.steps is not None):
+        bound = sampler.signature.bind(*args, **kwargs)
+    total = sampler.total(bound, owner) if options.grad_steps is not None and not ode else None
+    cow = CopyOnWrite()
+    run = _Run(sampler, total, cow)
+    state = SamplingRun(options)
+    live = _gradoff.Call(where, sampler.codes)
+    state.scopes.append(functools.partial(_gradoff.active, live))
+    grad = torch.is_grad_enabled()
+    wanted = grad and any(t.requires_grad for t in _tensors([owner, sampler.step, list(args), kwargs]))
+
+    @contextlib.contextmanager
+    def entered() -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(state.active())
+            token = _current.set(run)
+            stack.callback(_current.reset, token)
+            stack.enter_context(cow.hooks())
+            stack.enter_context(cow)
+            stack.enter_context(torch.set_grad_enabled(grad))  # puts the caller's mode back (grad_steps cuts)
+            yield
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_modes_kept([owner, sampler.step if not isinstance(sampler.step, str) else None]))
+        if sampler.step is not None:
+            obj, name = sampler.target(bound, owner)
+            stack.enter_context(_shadow(obj, name, stepped_odeint if ode else _stepped))
+        with entered():
+            out = _start(original, args, kwargs)
+        if inspect.isgenerator(out):
+            return _generator(out, entered, stack.pop_all())
+    if total is not None and run.count != total:
+        raise RuntimeError(f"gradpatch.differentiable({where}): grad_steps: step was called {run.count} times, but "
+                           f"steps says {total}; the last K steps cannot be told apart. Pass as step what one "
+                           "sampler step calls once, or use checkpoint_steps")
+    if options.checkpoint_steps and state.evaluations == 0:
+        raise RuntimeError(f"gradpatch.differentiable({where}): checkpoint_steps had no effect: step was never called")
+    if wanted and not any(t.requires_grad for t in _tensors(out)):
+        raise NotDifferentiableError(f"gradpatch.differentiable({where}) returned {_describe(out)}; gradients "
+                                     "cannot flow through it. Return the tensor itself (convert it afterwards)")
+    return _clean(out)
+
+
+def _generator(gen: Any, entered: Callable[[], Any], stack: contextlib.ExitStack) -> Iterator[Any]:
+    with stack:
+        how, value = "send", None
+        while True:
+            try:
+                with entered():
+                    item = _resume(gen, how, value)
+            except StopIteration as stop:
+                return stop.value
+            try:
+                how, value = "send", (yield _clean(item))  # the caller's grad mode holds here
+            except GeneratorExit:
+                gen.close()
+                raise
+            except BaseException as error:  # noqa: BLE001 - passed on to the sampler, as torch's wrapper does
+                how, value = "throw", error
+
+
+def make(fn: Callable[..., Any], step: Any = None, steps: Any = None, *, cache: bool = False,
+         where: str | None = None) -> Callable[..., Any]:
+    """A callable taking ``cache`` (default ``cache``), ``grad_steps``, ``checkpoint_steps`` around ``fn``
+    (a function or a bound method); as a class attribute it binds like ``fn`` (a plain function)."""
+    owner = getattr(fn, "__self__", None)
+    where = where or getattr(fn, "__qualname__", repr(fn))
+    sampler = Sampler(fn, step, steps, where)
+    default = cache
+
+    @functools.wraps(fn)
+    def differentiable(*args: Any, cache: bool = _UNSET, grad_steps: Any = None, checkpoint_steps: Any = False,
+                       **kwargs: Any) -> Any:
+        flag = default if cache is _UNSET else cache
+        sampling_options(flag, grad_steps, checkpoint_steps)  # validates, as every patched sampler does
+        if flag or (cache is _UNSET and _gradoff._active.get() is not None and grad_steps is None
+                    and not checkpoint_steps):
+            return fn(*args, **kwargs)  # upstream's call (inside another call: its constructs are inert already)
+        this = owner if owner is not None else (args[0] if args and "self" in (sampler.signature.parameters
+                                                                               if sampler.signature else ()) else None)
+        return call(sampler, fn, args, kwargs, this, grad_steps, checkpoint_steps)
+
+    if sampler.signature is not None:
+        differentiable.__signature__ = _with_keywords(sampler.signature).replace(  # type: ignore[attr-defined]
+            parameters=[p.replace(default=default) if p.name == "cache" else p
+                        for p in _with_keywords(sampler.signature).parameters.values()])
+    differentiable.__wrapped__ = fn  # type: ignore[attr-defined]
+    return differentiable
+
+
+def patched(original: Any, step: Any = None, steps: Any = None, *, where: str = "") -> Any:
+    """Fix factory body for a string target: ``original`` as found in its owner's ``__dict__``
+    (function, staticmethod, classmethod), ``cache=True`` by default. A new object per call."""
+    if isinstance(original, (staticmethod, classmethod)):
+        return type(original)(make(original.__func__, step, steps, cache=True, where=where))
+    if not callable(original):
+        raise TypeError(f"gradpatch.differentiable({where}): {original!r} is not callable")
+    return make(original, step, steps, cache=True, where=where)
