@@ -40,10 +40,13 @@ def compiled(model: torch.nn.Module, batch: tuple, budget: float) -> tuple[torch
     """A compiled copy of ``model`` at ``activation_memory_budget=budget``: (model, seconds to
     compile its forward and backward, bytes allocated after its forward)."""
     import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
 
     copy_ = torch.compile(copy.deepcopy(model), backend="inductor")
     start = time.perf_counter()
-    with functorch_config.patch(activation_memory_budget=budget), speed.use("no-ckpt"):
+    # The graph caches key on the graph, not on the budget: without this a second budget reuses the first.
+    with functorch_config.patch(activation_memory_budget=budget, enable_autograd_cache=False), \
+            inductor_config.patch(fx_graph_cache=False), speed.use("no-ckpt"):
         speed.step(copy_, batch)
         seconds = time.perf_counter() - start
         memory = speed.saved_bytes(copy_, batch)
