@@ -5,8 +5,9 @@ checkpoint with one Python object per evaluation and an integer per saved tensor
 dynamo-disabled hooks per saved tensor, device and RNG bookkeeping per call. A sampler step saves
 about a hundred tensors of a small model on every evaluation, so on tiny and medium models that
 bookkeeping cost as much as the recompute itself (``benchmarks/sampler_steps.py``: 1.7-2.2x the plain
-call where recomputing once should cost 1.4-1.5x). Here the forward's pack hook returns the evaluation
-(:class:`_Frame`) and the saved tensor's position; the first unpack in backward recomputes the
+call where recomputing once should cost 1.4-1.5x). Here the forward's pack hook returns the saved
+tensor's position (``next`` of a counter: no Python frame), the unpack hook is the evaluation's
+(:class:`_Frame`); the first unpack in backward recomputes the
 evaluation once under the forward's RNG state (CPU, and the CUDA devices of the inputs) and autocast
 state, keeping the tensors the recompute saves, in order; each unpack then takes its own. A second
 backward through the same graph (``retain_graph=True``) recomputes again.
@@ -30,6 +31,8 @@ still recomputes its blocks a second time.
 """
 from __future__ import annotations
 
+import functools
+import itertools
 from typing import Any, Callable, TypeVar
 
 import torch
@@ -51,10 +54,14 @@ def _cuda_devices(args: tuple, kwargs: dict) -> list[int]:
 class _Frame:
     """One evaluation: what its recompute needs, and the recomputed tensors while backward uses them."""
 
-    __slots__ = ("fn", "args", "kwargs", "rng", "devices", "cuda_rng", "autocast", "count", "values", "left", "seen")
+    __slots__ = ("fn", "args", "kwargs", "rng", "devices", "cuda_rng", "autocast", "counter", "count", "values",
+                 "left", "seen", "pack")
 
     def __init__(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
-        self.fn, self.args, self.kwargs, self.count = fn, args, kwargs, 0
+        self.fn, self.args, self.kwargs, self.count = fn, args, kwargs, None  # type: int | None
+        self.counter = itertools.count()
+        # The forward's pack hook: the saved tensor's position, from C (no Python frame per tensor).
+        self.pack: Callable[[torch.Tensor], int] = functools.partial(next, self.counter)  # type: ignore[arg-type]
         self.rng = torch.get_rng_state()
         self.devices = _cuda_devices(args, kwargs)
         self.cuda_rng = [torch.cuda.get_rng_state(d) for d in self.devices]
@@ -64,19 +71,34 @@ class _Frame:
         self.left = 0
         self.seen: dict[Any, tuple[Any, int]] | None = None  # measured: storage -> (weak ref, bytes)
 
-    def pack(self, tensor: torch.Tensor) -> tuple[_Frame, int]:
-        self.count += 1
-        if self.seen is not None:  # one entry per storage; an address freed and reused is a new one
-            storage = tensor.untyped_storage()
-            key = storage.data_ptr()
-            entry = self.seen.get(key)
-            if entry is None or entry[0].expired():
-                if entry is not None:
-                    self.seen[(key, len(self.seen))] = entry
-                self.seen[key] = (StorageWeakRef(storage), storage.nbytes())
-        return self, self.count - 1
+    def measuring_pack(self, tensor: torch.Tensor) -> int:
+        """The pack hook of :func:`measured`: the position, and the storage noted (once; an address
+        freed and reused is a new storage)."""
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        entry = self.seen.get(key)  # type: ignore[union-attr]
+        if entry is None or entry[0].expired():
+            if entry is not None:
+                self.seen[(key, len(self.seen))] = entry  # type: ignore[index, arg-type]
+            self.seen[key] = (StorageWeakRef(storage), storage.nbytes())  # type: ignore[index]
+        return next(self.counter)
+
+    def unpack(self, index: int) -> torch.Tensor:
+        values = self.values
+        if values is None or values[index] is None:
+            self.recompute()
+            values = self.values
+            assert values is not None
+        tensor, values[index] = values[index], None  # each saved tensor is unpacked once per backward
+        self.left -= 1
+        if not self.left:
+            self.values = None  # all used: a later backward (retain_graph=True) recomputes
+        assert tensor is not None
+        return tensor
 
     def recompute(self) -> None:
+        if self.count is None:  # the forward is over: what it saved
+            self.count = next(self.counter)
         values: list[torch.Tensor | None] = []
         keep_graph = torch.is_grad_enabled()  # backward(create_graph=True): higher-order gradients
 
@@ -114,27 +136,12 @@ def _never(packed: Any) -> torch.Tensor:
     raise RuntimeError("checkpoint_steps: a tensor saved during a recompute was unpacked")
 
 
-def _unpack(packed: tuple[_Frame, int]) -> torch.Tensor:
-    frame, index = packed
-    values = frame.values
-    if values is None or values[index] is None:
-        frame.recompute()
-        values = frame.values
-        assert values is not None
-    tensor, values[index] = values[index], None  # each saved tensor is unpacked once per backward
-    frame.left -= 1
-    if not frame.left:
-        frame.values = None  # all used: a later backward (retain_graph=True) recomputes
-    assert tensor is not None
-    return tensor
-
-
 def checkpoint(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     """``fn(*args, **kwargs)`` with its saved tensors recomputed in backward (module docstring)."""
     if not FLAT:
         return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, **kwargs)  # type: ignore[return-value]
     frame = _Frame(fn, args, kwargs)
-    with torch.autograd.graph.saved_tensors_hooks(frame.pack, _unpack), _inner_plain():
+    with torch.autograd.graph.saved_tensors_hooks(frame.pack, frame.unpack), _inner_plain():
         return fn(*args, **kwargs)
 
 
@@ -153,7 +160,7 @@ def measured(fn: Callable[..., T], *args: Any, **kwargs: Any) -> tuple[T, int]:
     inputs, parameters, the output) cost nothing more when kept, and each storage counts once."""
     frame = _Frame(fn, args, kwargs)
     frame.seen = {}
-    with torch.autograd.graph.saved_tensors_hooks(frame.pack, _unpack), _inner_plain():
+    with torch.autograd.graph.saved_tensors_hooks(frame.measuring_pack, frame.unpack), _inner_plain():
         out = fn(*args, **kwargs)
     seen, frame.seen = frame.seen, None
     return out, sum(size for ref, size in seen.values() if ref.expired())
