@@ -18,13 +18,14 @@ SKIP_TORCH_LOWER ?=
 
 .PHONY: demo test test-torch-lower newcomer bench clean
 
-$(VENV)/.installed: pyproject.toml requirements/test.txt requirements/upstream.txt
+$(VENV)/.installed: pyproject.toml requirements/test.txt requirements/upstream.txt requirements/upstream-build.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	# torch first and named in every command: installing its dependents alone can replace it.
 	$(PIP) install --quiet torch==2.14.1 torchvision==0.29.1
 	$(PIP) install --quiet -r requirements/test.txt
 	$(PIP) install --quiet --no-deps -r requirements/upstream.txt
+	$(PIP) install --quiet --no-deps --no-build-isolation -r requirements/upstream-build.txt
 	$(PIP) install --quiet --no-deps --no-build-isolation -e .
 	touch $@
 

@@ -85,14 +85,7 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_EXPORTS))
 
 
-#: The values of ``GRADPATCH`` (stripped, any case) that mean off, everywhere: the variable parser,
-#: the start-up entry and this module's check. ``startup/gradpatch.pth`` spells the same tuple out so
-#: that it imports nothing when gradpatch is off (a test checks that they agree).
-_OFF = ("", "0", "false", "no", "off")
-
-
-def _enabled() -> bool:
-    return os.environ.get("GRADPATCH", "").strip().lower() not in _OFF
+from gradpatch._switch import OFF as _OFF, enabled as _enabled  # noqa: E402, F401 (start-up, tests)
 
 
 def _imported_by_site() -> bool:

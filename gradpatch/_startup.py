@@ -12,7 +12,7 @@ _done = False
 
 def main() -> None:
     global _done
-    from gradpatch import _enabled
+    from gradpatch._switch import enabled as _enabled
 
     if _done or not _enabled():
         return

@@ -21,7 +21,7 @@ import os
 import sys
 from typing import Sequence
 
-from gradpatch import _OFF
+from gradpatch._switch import OFF as _OFF
 from gradpatch.patching.fingerprint import Fingerprints, fingerprint_source
 from gradpatch.patching.registry import WIDTH, Patch, elide, format_table
 

@@ -21,7 +21,8 @@ import logging
 import os
 from typing import NamedTuple
 
-from gradpatch import _OFF, settings
+from gradpatch import settings
+from gradpatch._switch import OFF as _OFF
 
 _ALL = {"1", "all", "true", "yes", "on"}
 

@@ -20,4 +20,12 @@ MODULES = (
     "e2_tts",
     "k_diffusion",
     "stable_audio_tools",
+    "matcha",
+    "chatterbox",
+    "seed_vc",
+    "cosyvoice",
+    "voxcpm",
+    "denoising_diffusion_pytorch",
+    "diffsinger",
+    "tango",
 )

@@ -6,6 +6,8 @@ from typing import Mapping
 from gradpatch.patching.families import AutogradFunctionShape, Family, FunctionShape, Member
 from gradpatch.patching.fingerprint import IsObject
 from gradpatch.patching.registry import Patch
+from gradpatch.sampling.any_sampler import fix as _fixes
+from gradpatch.sampling.any_sampler import sampler
 
 _FIX = "gradpatch.checkpointing.checkpoint"
 _SUMMARY = "fixed checkpoint: frozen params, None inputs, dropout RNG, autocast, double backward"
@@ -43,7 +45,84 @@ CHECKPOINT = Family(
     ),
 )
 
-FAMILIES = [CHECKPOINT]
+#: gradpatch.differentiable's fix with step="estimator", steps="n_timesteps", under a name of this
+#: family's own: a family's copies are looked for while a patch using its fix is selected, and a user's
+#: ``gradpatch.differentiable(..., step="estimator", steps="n_timesteps")`` request must not wake it.
+flow_matching_sampler = getattr(_fixes, sampler(step="estimator", steps="n_timesteps").partition(":fix.")[2])
+_EULER = f"{__name__}:flow_matching_sampler"
+_CFM = "{}(cache=False): gradients through the Euler solve; grad_steps, checkpoint_steps"
+
+#: The conditional flow-matching decoder of Matcha-TTS (``BASECFM``), copied and extended by
+#: CosyVoice (``ConditionalCFM``/``CausalConditionalCFM``), Chatterbox's S3Gen (which vendors both),
+#: Seed-VC and IndexTTS2 (``BASECFM.inference``, Seed-VC v2's ``CFM``), VoxCPM (``UnifiedCFM``) and
+#: the detokenizers reusing CosyVoice's flow module. One shape throughout: a module holding the
+#: velocity network as ``self.estimator``, an ``@torch.inference_mode()`` entry (``forward`` or
+#: ``inference``) that draws the noise and calls an undecorated ``solve_euler``, which loops over
+#: ``n_timesteps`` Euler steps with one (CFG-batched) estimator call each; the CosyVoice line refills
+#: its CFG batch in place (``x_in[:] = x``) every step. Each entry is made differentiable by
+#: :func:`gradpatch.differentiable` (``step="estimator"``, ``steps="n_timesteps"``); the solver is
+#: hashed with the entry it serves and never replaced.
+FLOW_MATCHING = Family(
+    "flow_matching_cfm",
+    members=(
+        Member("BASECFM.forward", FunctionShape(("self", "mu", "mask", "n_timesteps")), _EULER,
+               _CFM.format("BASECFM.forward")),
+        Member("BASECFM.inference", FunctionShape(("self", "mu", "x_lens", "prompt", "style", "f0", "n_timesteps")),
+               _EULER, _CFM.format("BASECFM.inference")),
+        Member("BASECFM.solve_euler", FunctionShape(("self", "x"))),
+        Member("CausalConditionalCFM.forward", FunctionShape(("self", "mu", "mask", "n_timesteps")), _EULER,
+               _CFM.format("CausalConditionalCFM.forward")),
+        Member("ConditionalCFM.solve_euler", FunctionShape(("self", "x", "t_span", "mu", "mask"))),
+        Member("CFM.inference", FunctionShape(("self", "mu", "x_lens", "prompt", "style", "n_timesteps")), _EULER,
+               _CFM.format("CFM.inference")),
+        Member("CFM.solve_euler", FunctionShape(("self", "x", "x_lens", "prompt", "mu", "style", "t_span"))),
+        Member("UnifiedCFM.forward", FunctionShape(("self", "mu", "n_timesteps", "patch_size", "cond")), _EULER,
+               _CFM.format("UnifiedCFM.forward")),
+        Member("UnifiedCFM.solve_euler", FunctionShape(("self", "x", "t_span", "mu", "cond"))),
+    ),
+    fingerprints=(
+        (("BASECFM.forward", "BASECFM.solve_euler"), {
+            "ad6f4138cedd6742": "Matcha-TTS (matcha-tts 0.0.7.2; chatterbox-tts 0.1.7 s3gen/matcha copy)"}),
+        (("BASECFM.inference", "BASECFM.solve_euler"), {
+            "3fc09b0fa389cdd4": "Seed-VC v1 (seed-vc 0.4.3; indextts2-inference 2.1.1 s2mel copy)"}),
+        (("CausalConditionalCFM.forward", "ConditionalCFM.solve_euler"), {
+            "5ff6cd30adf72440": "Chatterbox S3Gen (chatterbox-tts 0.1.7)",
+            # CosyVoice 2/3, FunAudioLLM/CosyVoice cosyvoice/flow/flow_matching.py, by commit date.
+            # Not listed: 437c67914012dae5 (2025-01-23 to 2025-04-16), whose CausalConditionalCFM.forward
+            # takes a `cache` argument of its own, which the patched sampler's `cache` keyword would take.
+            "052fd42937c23281": "CosyVoice 2 (git 3e38100, 2024-12-11)",
+            "1219d24061d3db22": "CosyVoice 2 (git c693039, 2024-12-12)",
+            "82d203d0a4755994": "CosyVoice 2 (git 2511a49 to 3581cae, 2024-12)",
+            "de07ab99e15c170d": "CosyVoice 2 (git 77d8cf1 to 1cfc5dd 2025-01; 68100c2 2025-05-23)",
+            "bcab801eb07084bc": "CosyVoice 2 (git cbfed4a to 46dfe04, 2025-05-27 to 2025-06-25)",
+            "4c0edefff8736bdc": "CosyVoice 3 (git 5bc4b23 2025-12-12 to ace7c47 2026-03)",
+        }),
+        (("CFM.inference", "CFM.solve_euler"), {"eaf0056940c12d7d": "Seed-VC v2 (seed-vc 0.4.3)"}),
+        (("UnifiedCFM.forward", "UnifiedCFM.solve_euler"), {"ee5ccd6c16d91447": "VoxCPM (voxcpm 2.0.3)"}),
+    ),
+)
+
+#: F5-TTS's ``CFM.sample`` as other repositories copied it, at paths no declaration may name:
+#: DiffRhythm (GitHub ASLP-lab/DiffRhythm) keeps it in a checkout's top-level ``model/cfm.py``, and a
+#: declaration of ``model.cfm`` would fire on every project with such a module. Same shape as F5's
+#: (``@torch.no_grad()``, ``self.eval()``, ``self.transformer`` through the module global ``odeint``),
+#: so F5's fix, unchanged; found by the scan whenever F5's patch is selected (the same fix).
+F5_SAMPLE = Family(
+    "f5_cfm_sample",
+    members=(Member("CFM.sample", FunctionShape(("self", "cond", "text", "duration")),
+                    "gradpatch.sampling.runner:differentiable_sampler",
+                    "CFM.sample(cache=False): gradients through the ODE solve, caller's mode kept; grad_steps, "
+                    "checkpoint_steps"),),
+    fingerprints=((("CFM.sample",), {
+        # Every version of DiffRhythm's model/cfm.py in the repository's history.
+        "056bf98573e13047": "DiffRhythm git 5909b2a to a6aa722 (2025-03-05 to 2025-03-13)",
+        "63227f143616ee6f": "DiffRhythm git c93f59a (2025-03-17)",
+        "f87169b02a46cae3": "DiffRhythm git fce85e5 (2025-05-08)",
+        "af621de49b303f98": "DiffRhythm git fc54560 (2025-09-02) to 28ad63c (2025-11-27)",
+    }),),
+)
+
+FAMILIES = [CHECKPOINT, FLOW_MATCHING, F5_SAMPLE]
 
 
 def checkpoint_family(upstream: str, module: str, known: Mapping[str, str], *,
@@ -52,6 +131,22 @@ def checkpoint_family(upstream: str, module: str, known: Mapping[str, str], *,
     to define it, recognised by the fingerprints ``known`` (with their provenance); ``mixed`` adds
     sgm's ``mixed_checkpoint``. Fingerprints cover all the definitions."""
     return CHECKPOINT.patches(upstream, module, known, over=_MIXED if mixed else _PAIR, requires=requires)
+
+
+def flow_matching_family(upstream: str, module: str, over: tuple[str, ...], *,
+                         requires: str | None = None) -> list[Patch]:
+    """The :data:`FLOW_MATCHING` patches of the entries in ``over`` (an entry and its solver) that
+    ``upstream`` defines in ``module``, recognised by every known fingerprint of ``over``."""
+    return FLOW_MATCHING.patches(upstream, module, FLOW_MATCHING.known(over), over=over, requires=requires)
+
+
+def torch_checkpoint_module_default(name: str, upstream: str, target: str, provenance: str) -> Patch:
+    """``target`` (``module:alias``) is ``torch.utils.checkpoint`` bound as a module alias, whose
+    ``alias.checkpoint(...)`` calls pass no ``use_reentrant``: those calls become non-reentrant."""
+    return Patch(name, target, f"{_FIX}:replace_torch_checkpoint_module",
+                 IsObject("torch.utils.checkpoint", provenance), upstream,
+                 "torch checkpoint (module alias) made non-reentrant: gradients reach parameters when no input "
+                 "requires grad")
 
 
 def torch_checkpoint_default(name: str, upstream: str, module: str, provenance: str) -> Patch:

@@ -166,6 +166,26 @@ def replace_torch_checkpoint(original: Callable[..., Any]) -> Callable[..., Any]
     return non_reentrant(original)
 
 
+class _NonReentrantModule(types.ModuleType):
+    """``torch.utils.checkpoint`` as seen through a module alias (``import torch.utils.checkpoint as
+    ckpt``): ``checkpoint`` is :func:`non_reentrant`, every other name is the real module's."""
+
+    def __init__(self, module: types.ModuleType) -> None:
+        super().__init__(module.__name__, module.__doc__)
+        self.__dict__["_module"] = module
+        self.checkpoint = non_reentrant(module.checkpoint)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["_module"], name)
+
+
+def replace_torch_checkpoint_module(original: types.ModuleType) -> types.ModuleType:
+    """For a module that bound ``torch.utils.checkpoint`` itself under a name (CosyVoice's ``ckpt``,
+    Chatterbox's ``cp``) and calls ``name.checkpoint(...)`` without ``use_reentrant``: a stand-in whose
+    ``checkpoint`` is non-reentrant by default. Other modules, and torch, are unaffected."""
+    return _NonReentrantModule(original)
+
+
 def _copy(function: Callable[..., Any], original: Any) -> Callable[..., Any]:
     """A new function object running ``function``'s code, pickled by way of ``original``'s place."""
     new = types.FunctionType(function.__code__, function.__globals__, function.__name__,

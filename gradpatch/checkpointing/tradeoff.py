@@ -23,7 +23,7 @@ from typing import Callable, NamedTuple, Sequence
 
 import torch
 
-import gradpatch
+from gradpatch import settings
 from gradpatch.checkpointing import budget as checkpoint_budget
 
 
@@ -87,7 +87,7 @@ def tradeoff(step: Callable[[], object], fractions: Sequence[float] = (0.25, 0.5
     measured: dict[str, tuple[int, float]] = {}
 
     def measure(policy: str) -> None:
-        with gradpatch.checkpoint_policy_scope(policy):
+        with settings.checkpoint_policy_scope(policy):
             for _ in range(plan_steps):
                 step()
                 bar.tick(policy)

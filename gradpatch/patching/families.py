@@ -6,6 +6,10 @@ definitions hashed together, and the fix of each member. The same declaration bu
 of the paths a codebase is known to use (:meth:`Family.patches`, with their provenance and version
 ranges) and is what :mod:`gradpatch.patching.scan` looks for in every other imported module.
 
+A member is a module-level definition (``checkpoint``) or a method a class of the module defines
+itself (``BASECFM.forward``: the flow-matching family's samplers are methods); :func:`resolve` finds
+either in a module's namespace.
+
 A shape tells a member from unrelated code that happens to use the same name:
 ``torch.utils.checkpoint`` defines ``checkpoint`` and ``CheckpointFunction`` too, with other
 signatures. Shapes read code objects only: no ``inspect``, no torch. This module is imported at
@@ -35,8 +39,19 @@ def _positional(function: object) -> tuple[tuple[str, ...], bool] | None:
     return None
 
 
+def resolve(namespace: Mapping[str, object], name: str) -> object:
+    """The object ``name`` (``checkpoint``, or ``Class.method`` defined in that class's own body, not
+    inherited) names in a module's ``namespace``; None if there is none."""
+    head, _, rest = name.partition(".")
+    obj = namespace.get(head)
+    for part in rest.split(".") if rest else ():
+        obj = vars(obj).get(part) if isinstance(obj, type) else None
+    return obj
+
+
 class FunctionShape(NamedTuple):
-    """A plain function whose positional parameters begin with ``parameters``."""
+    """A plain function (a method too, behind ``functools.wraps`` decorators such as torch's
+    ``no_grad``) whose positional parameters begin with ``parameters``."""
 
     parameters: tuple[str, ...]
 
@@ -89,6 +104,12 @@ class Family(NamedTuple):
     @property
     def names(self) -> tuple[str, ...]:
         return tuple(member.name for member in self.members)
+
+    @property
+    def heads(self) -> tuple[str, ...]:
+        """The module-level names a module must hold to define a member (``BASECFM`` for
+        ``BASECFM.forward``): the scan's cheap first test."""
+        return tuple(dict.fromkeys(name.partition(".")[0] for name in self.names))
 
     def is_copy(self, shaped: Sequence[str]) -> bool:
         """Whether a module whose own definitions ``shaped`` have their members' shapes holds a

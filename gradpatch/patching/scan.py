@@ -33,7 +33,7 @@ from typing import Any
 #: The switch (``apply(scan=...)``, ``GRADPATCH_SCAN``); nothing is examined while it is False.
 enabled = False
 _families: list[Any] = []
-_names: tuple[str, ...] = ()  # every member name of every family: the per-module check
+_names: tuple[str, ...] = ()  # every member's module-level name, of every family: the per-module check
 _chosen: dict[tuple[int, ...], tuple[tuple[object, ...], tuple[str, ...]]] = {}  # per code object
 
 
@@ -45,7 +45,7 @@ def families() -> list[Any]:
 
         package = catalogue._builtin_package()
         _families.extend(__import__(f"{package.__name__}._families", fromlist=["FAMILIES"]).FAMILIES)
-        _names = tuple(dict.fromkeys(name for family in _families for name in family.names))
+        _names = tuple(dict.fromkeys(name for family in _families for name in family.heads))
     return _families
 
 
@@ -63,13 +63,15 @@ def copies(module: ModuleType, namespace: dict, selected: list[Any]) -> list[tup
     """``(family, patches)`` for each of the ``selected`` families whose copy ``module`` (with globals
     ``namespace``, not a declared path) defines: the patches replacing its members, recognised by the
     family's fingerprints of the largest set of names it defines whose fingerprint is known."""
+    from gradpatch.patching.families import resolve
+
     name = namespace.get("__name__")
     if not isinstance(name, str) or name.partition(".")[0] == "gradpatch":
         return []
     found = []
     for family in selected:
-        shaped = [m.name for m in family.members if getattr(namespace.get(m.name), "__module__", None) == name
-                  and m.shape.matches(namespace[m.name])]
+        shaped = [m.name for m in family.members if getattr(resolve(namespace, m.name), "__module__", None) == name
+                  and m.shape.matches(resolve(namespace, m.name))]
         if not family.is_copy(shaped):
             continue  # unrelated code that uses a member's name
         over = _group(module, namespace, family)
@@ -83,17 +85,18 @@ def copies(module: ModuleType, namespace: dict, selected: list[Any]) -> list[tup
 def _group(module: ModuleType, namespace: dict, family: Any) -> tuple[str, ...]:
     """The set of names to identify ``module``'s copy by: the largest it defines whose fingerprint
     is known, else the largest it defines (which is then reported as unknown)."""
+    from gradpatch.patching.families import resolve
     from gradpatch.patching.fingerprint import Fingerprints
 
-    objects = tuple(namespace.get(name) for name in family.names)
+    objects = tuple(resolve(namespace, name) for name in family.names)
     key = tuple(id(getattr(obj, "__code__", obj)) for obj in objects)
     if key in _chosen:
         return _chosen[key][1]
-    groups = family.groups([name for name in family.names if name in namespace])
+    groups = family.groups([name for name, obj in zip(family.names, objects) if obj is not None])
     chosen = groups[0]
     for over in groups:
         recognise = Fingerprints(family.known(over), over=over)
-        if recognise.identify(module, over[0], namespace.get(over[0])).verdict == "known":
+        if recognise.identify(module, over[0], resolve(namespace, over[0])).verdict == "known":
             chosen = over
             break
     # The objects are kept with the key so that their ids cannot be reused by other code.

@@ -111,12 +111,19 @@ class _Run:
             raise RuntimeError(f"gradpatch.differentiable({self.sampler.where}): grad_steps: step was called "
                                f"more than the {self.total} times steps says; step must be what one sampler step "
                                "calls once (pass the method one step calls, or use checkpoint_steps)")
-        held = {id(a): self.cow.hold(a) for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)}
+        held = {id(a): (self.cow.hold(a), a.requires_grad) for a in (*args, *kwargs.values())
+                if isinstance(a, torch.Tensor)}
+
+        def was(x: Any) -> Any:  # an input as it was, requires_grad included (a buffer refilled later may
+            if id(x) not in held:  # have gained it), or the recompute saves other tensors (CheckpointError)
+                return x
+            saved, requires_grad = held[id(x)]
+            value = saved.value()
+            return value if value is x and x.requires_grad == requires_grad else \
+                value.detach().requires_grad_(requires_grad)
 
         def evaluate(*a: Any, **k: Any) -> Any:  # in a checkpoint recompute: the inputs as they were
-            a = tuple(held[id(x)].value() if id(x) in held else x for x in a)
-            k = {n: held[id(x)].value() if id(x) in held else x for n, x in k.items()}
-            return real(*a, **k)
+            return real(*(was(x) for x in a), **{n: was(x) for n, x in k.items()})
 
         self.inside = True
         try:
