@@ -2,13 +2,16 @@
 ``torch._functorch.config.activation_memory_budget``, at about the same realised memory.
 
 Run:  PYTHONPATH=. HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/checkpoint_compile.py [--rounds 8]
+      [--tries 4 | --budgets 0.0 0.25]
 
 The medium UNet of ``benchmarks/checkpoint_budget.py`` (AudioLDM's UNetModel, every block
 checkpointed; CPU, one thread). gradpatch: ``respect``, ``never`` and ``budget:`` at 50% of the gap
 between their activation memories (planned as ``checkpoint_budget.py`` does). torch.compile (inductor,
 CPU) of the same model with the checkpoint calls made plain, so that the partitioner alone decides
 what to recompute: ``activation_memory_budget`` 1.0 (keep what the partitioner would), and a budget
-found by bisection (``--tries`` compilations) whose realised memory is closest to gradpatch's 50%.
+found by bisection (``--tries`` compilations) whose realised memory is closest to gradpatch's 50%;
+``--budgets`` compiles the budgets given instead and times the closest. Each compilation of this model
+takes minutes on a CPU (graph caches are off so that every budget is compiled).
 
 Memory is measured the same way for every variant: the bytes still allocated after the forward
 (profiler memory events: the graph's saved tensors), minus ``respect``'s. Time: thread CPU time of a
