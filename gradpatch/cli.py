@@ -1,9 +1,11 @@
 """The ``gradpatch`` command (also ``python -m gradpatch``).
 
 ``gradpatch list [--wide|--json]``    every known patch, its target and what it fixes
-``gradpatch status [--wide|--json]``  which targets are installed here, their versions, and whether their
-                                      code matches a known fingerprint (read from source: nothing is
-                                      imported, so neither torch nor any target is loaded)
+``gradpatch status [--all|--wide|--json]``  whether gradpatch is active here (``GRADPATCH``, start-up
+                                      file), then per upstream package installed here its version and
+                                      whether its code matches a known fingerprint; ``--all``: every
+                                      patch (read from source: nothing is imported, so neither torch
+                                      nor any target is loaded)
 ``gradpatch run [OPTIONS] -- CMD``    run CMD with gradpatch active in it and every Python process it
                                       starts (sets ``GRADPATCH*`` and execs, like ``ddtrace-run``)
 ``gradpatch doctor SCRIPT [ARGS]``    run a training script and, after each backward, explain every
@@ -124,11 +126,22 @@ def _list(args: argparse.Namespace) -> int:
 def _print_status(args: argparse.Namespace) -> int:
     from gradpatch.patching.activation import known_patches
 
-    statuses = [_status(p) for p in known_patches().values()]
+    patches = list(known_patches().values())
+    statuses = [_status(p) for p in patches]
     if args.json:
         print(json.dumps(statuses, indent=2))
         return 0
     import gradpatch
+    from gradpatch.cli_status import activity_line, summary_lines
+
+    print(activity_line(width=WIDTH))
+    if not (args.all or args.wide):
+        heading = f"gradpatch {gradpatch.__version__} from "
+        print(heading + elide(os.path.dirname(gradpatch.__file__), WIDTH - len(heading)))
+        for line in summary_lines(statuses, {p.name: p.upstream for p in patches}):
+            print(line)
+        print("every patch: gradpatch status --all (or --wide, --json)")
+        return 0
 
     heading = f"gradpatch {gradpatch.__version__} from "
     print(heading + elide(os.path.dirname(gradpatch.__file__), WIDTH - len(heading)))
@@ -225,6 +238,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         shape = sub.add_mutually_exclusive_group()
         shape.add_argument("--wide", action="store_true", help="one line per row, however long")
         shape.add_argument("--json", action="store_true", help="machine-readable output")
+    status.add_argument("--all", action="store_true", help="every patch, one row each")
     listing.set_defaults(handler=_list)
     status.set_defaults(handler=_print_status)
     run = commands.add_parser("run", help="run a command with gradpatch active in every Python process")

@@ -5,8 +5,11 @@ step with ``grad is None`` (or all zeros) and the optimiser quietly skips it. Or
 inside someone else's ``CheckpointFunction``. :func:`explain_grads` looks at a model after a backward
 (or at the error it raised) and names the modules involved and the likely cause: a known-broken
 checkpoint gradpatch has not patched, a reentrant torch checkpoint, a ``@torch.no_grad()`` sampler, or
-simply a parameter the loss never reached. :func:`grad_doctor` wraps one training step and prints the
-diagnosis; ``gradpatch doctor script.py`` runs a whole script that way. Under the ``budget:<size>``
+simply a parameter the loss never reached. "Reached" means the backward wrote a gradient: one that is
+exactly zero (LoRA's ``lora_A`` while ``lora_B`` is still zero) is healthy. While it watches a step
+(:func:`grad_doctor`, ``gradpatch doctor``) it sees torch's reentrant checkpoint however it is called,
+and patched samplers run with ``cache=True`` (no graph) inside a loss (``gradpatch/_doctor_watch.py``).
+:func:`grad_doctor` wraps one training step and prints the diagnosis; ``gradpatch doctor script.py`` runs a whole script that way. Under the ``budget:<size>``
 checkpoint policy both also print its plan (:func:`checkpoint_plan_text`).
 """
 from __future__ import annotations
@@ -20,6 +23,7 @@ from typing import Iterator
 import torch
 import torch.utils.checkpoint
 
+from gradpatch._doctor_watch import Watch, watching
 from gradpatch.patching import activation
 from gradpatch.patching.fingerprint import Fingerprints
 
@@ -37,7 +41,8 @@ class Finding:
 
     def __str__(self) -> str:
         names = ", ".join(self.parameters[:4]) + (f" and {len(self.parameters) - 4} more" if len(self.parameters) > 4 else "")
-        return f"- {self.module or '<root>'}: {names}\n    cause: {self.cause}\n    fix:   {self.remedy}"
+        head = f"- {self.module or '<root>'}" + (f": {names}" if names else "")
+        return f"{head}\n    cause: {self.cause}\n    fix:   {self.remedy}"
 
 
 @dataclass
@@ -68,19 +73,28 @@ def _remedy(module_name: str) -> str:
     return _REMEDY
 
 
-def _broken_checkpoint(module_class: type) -> tuple[str, str] | None:
-    """Why the ``checkpoint`` this class's module calls is broken, if it is, and what to do."""
+def _broken_checkpoint(module_class: type, watched: bool = False) -> tuple[str, str] | None:
+    """Why the ``checkpoint`` this class's module calls is broken, if it is, and what to do. Torch's
+    checkpoint is recognised here, from the code (any name bound to it, or ``torch.utils.checkpoint``
+    reached by attributes), only when no :class:`Watch` saw the calls (``watched``)."""
     forward = getattr(module_class, "forward", None)
-    if "checkpoint" not in getattr(getattr(forward, "__code__", None), "co_names", ()):
-        return None  # only blocks whose forward itself calls `checkpoint` are checkpointed
-    namespace = getattr(sys.modules.get(module_class.__module__), "__dict__", {})
-    bound = namespace.get("checkpoint")
-    if bound is None:
+    names = getattr(getattr(forward, "__code__", None), "co_names", ())
+    if "checkpoint" not in names and watched:
         return None
-    if bound is torch.utils.checkpoint.checkpoint:
-        return (f"{module_class.__name__} calls torch.utils.checkpoint.checkpoint; reentrant (its default, or "
-                "use_reentrant=True), it gives parameters no gradient when no input requires grad",
-                _remedy(module_class.__module__))
+    namespace = getattr(sys.modules.get(module_class.__module__), "__dict__", {})
+    if not watched:
+        for name in names:
+            value = namespace.get(name)
+            if value is torch.utils.checkpoint.checkpoint or (
+                    value in (torch, torch.utils, torch.utils.checkpoint) and "checkpoint" in names):
+                return (f"{module_class.__name__} calls torch.utils.checkpoint.checkpoint; reentrant (its "
+                        "default, or use_reentrant=True), it gives parameters no gradient when no input "
+                        "requires grad", _remedy(module_class.__module__))
+    if "checkpoint" not in names:
+        return None  # only blocks whose forward itself calls `checkpoint` are checkpointed
+    bound = namespace.get("checkpoint")
+    if bound is None or bound is torch.utils.checkpoint.checkpoint:
+        return None
     for patch in activation.known_patches().values():
         if patch.qualname != "checkpoint" or getattr(bound, "__module__", None) != patch.module:
             continue
@@ -121,19 +135,80 @@ def _modules_in_traceback(error: BaseException) -> list[torch.nn.Module]:
 
 
 def _missing(parameter: torch.Tensor) -> bool:
-    return parameter.requires_grad and (parameter.grad is None or not parameter.grad.any())
+    return parameter.requires_grad and parameter.grad is None
 
 
-def explain_grads(model: torch.nn.Module, error: BaseException | None = None) -> Diagnosis:
+_NO_GRAPH = "does not require grad and does not have a grad_fn"
+
+
+def _sampler_findings(model: torch.nn.Module, watch: Watch | None, names: tuple[str, ...]) -> list[Finding]:
+    """A patched sampler run with ``cache=True`` during the step, on ``model`` or one of its modules
+    (or on a module holding ``model``): the likely reason nothing reached ``names``."""
+    if watch is None:
+        return []
+    mine = set(model.modules())
+    findings, seen = [], set()
+    for name, owner in watch.cached_owners():
+        related = owner is None or owner in mine or (isinstance(owner, torch.nn.Module)
+                                                     and model in set(owner.modules()))
+        if not related or name in seen:
+            continue
+        seen.add(name)
+        findings.append(Finding(name, names, f"{name} ran with cache=True (its default) while grad was on: "
+                                "that runs the original @torch.no_grad() sampler, so its output carries no "
+                                "gradient", f"call it with cache=False (grad_steps=K or checkpoint_steps=True "
+                                "bound the memory)"))
+    return findings
+
+
+def _reentrant_findings(model: torch.nn.Module, watch: Watch | None, missing, explained: set[str]) -> list[Finding]:
+    """Blocks of ``model`` that torch's reentrant checkpoint ran, with their parameters left without
+    a gradient."""
+    if watch is None:
+        return []
+    findings = []
+    paths = {m: p for p, m in model.named_modules()}
+    for module, call in watch.reentrant_modules().items():
+        if module not in paths:
+            continue
+        path = paths[module]
+        names = tuple(n for n in (f"{path}.{k}".lstrip(".") for k, p in module.named_parameters() if missing(p))
+                      if n not in explained)
+        if not names:
+            continue
+        explained.update(names)
+        caller = call.caller() if call.caller is not None else None
+        if caller in paths and not any(module.children()) and module in set(caller.modules()):
+            module, path = caller, paths[caller]  # a single layer checkpointed: name its block
+        cause = (f"{type(module).__name__} runs torch's reentrant checkpoint (use_reentrant=True or "
+                 f"unspecified), called at {call.where}; "
+                 + ("no input of that call required grad, so the parameters inside get no gradient"
+                    if not call.inputs_require_grad else "it does not support autograd.grad or backward(inputs=)"))
+        remedy = ("pass use_reentrant=False there (transformers/diffusers: gradient_checkpointing_enable("
+                  "gradient_checkpointing_kwargs={'use_reentrant': False})), or bind "
+                  "gradpatch.checkpointing.checkpoint.non_reentrant(torch.utils.checkpoint.checkpoint) in its place")
+        findings.append(Finding(f"{path or '<root>'} ({type(module).__name__})", names, cause, remedy))
+    return findings
+
+
+def explain_grads(model: torch.nn.Module, error: BaseException | None = None,
+                  watch: Watch | None = None) -> Diagnosis:
     """Diagnose ``model`` after a backward, or after the ``error`` a backward raised.
 
     With an error raised inside a known-broken checkpoint, the block that raised and its frozen
-    parameters are named. Without, every parameter that requires grad but has no gradient, or an
-    all-zero one, is reported, grouped by the outermost block whose broken checkpoint explains it, the
-    rest as not reached by the loss (or lost in a no-grad sampler).
+    parameters are named; with "does not require grad and does not have a grad_fn" after a patched
+    sampler ran with ``cache=True``, that sampler. Without an error, every parameter that requires grad
+    but was not reached by the backward is reported, grouped by the outermost block whose broken
+    checkpoint explains it, the rest as not reached by the loss (or lost in a no-grad sampler).
+    Reached means that the backward wrote a gradient, whatever its values: a gradient exactly zero
+    because a zero-initialised partner (LoRA's ``lora_B``) multiplies it is healthy. ``watch`` (from
+    :func:`grad_doctor` and ``gradpatch doctor``) tells which ``.grad`` the backward wrote and which
+    reentrant checkpoints and ``cache=True`` sampler calls ran; without it only ``grad is None`` counts
+    as not reached and checkpoints are recognised from the blocks' code.
     """
     diagnosis = Diagnosis()
     paths = {module: path for path, module in model.named_modules()}
+    missing = watch.missing if watch is not None else _missing
     if error is not None:
         for block in _modules_in_traceback(error):
             if block in paths:
@@ -141,23 +216,35 @@ def explain_grads(model: torch.nn.Module, error: BaseException | None = None) ->
                 cause, remedy = _broken_checkpoint(type(block)) or ("its upstream CheckpointFunction raised in "
                                                                     "backward", _REMEDY)
                 diagnosis.findings.append(Finding(f"{paths[block]} ({type(block).__name__})", frozen, cause, remedy))
+        if not diagnosis.findings and _NO_GRAPH in str(error):
+            diagnosis.findings += _sampler_findings(model, watch, ())
+            diagnosis.findings += _reentrant_findings(model, watch, lambda p: p.requires_grad, set())
+            sampler = _no_grad_sampler(model)
+            if sampler:
+                diagnosis.findings.append(Finding(type(model).__name__, (), sampler, _REMEDY + ", and call it with "
+                                                  "cache=False"))
         return diagnosis
     explained: set[str] = set()
+    diagnosis.findings += _reentrant_findings(model, watch, missing, explained)
     for path, module in model.named_modules():
-        broken = _broken_checkpoint(type(module))
+        broken = _broken_checkpoint(type(module), watch is not None)
         if broken is None:
             continue
         cause, remedy = broken
-        names = tuple(f"{path}.{n}".lstrip(".") for n, p in module.named_parameters() if _missing(p))
+        names = tuple(f"{path}.{n}".lstrip(".") for n, p in module.named_parameters() if missing(p))
         names = tuple(n for n in names if n not in explained)
         if names:
             explained.update(names)
             diagnosis.findings.append(Finding(f"{path} ({type(module).__name__})", names, cause, remedy))
-    unreached = tuple(n for n, p in model.named_parameters() if _missing(p) and n not in explained)
+    unreached = tuple(n for n, p in model.named_parameters() if missing(p) and n not in explained)
     if unreached:
+        samplers = _sampler_findings(model, watch, unreached)
+        if samplers:
+            diagnosis.findings += samplers
+            return diagnosis
         sampler = _no_grad_sampler(model)
         cause = sampler or ("the loss does not depend on them (a detach(), a no_grad region, an unused "
-                            "branch), or their gradient is exactly zero")
+                            "branch)")
         remedy = (_REMEDY + ", and call it with cache=False") if sampler else \
             "check the forward path from these parameters to the loss"
         diagnosis.findings.append(Finding("", unreached, cause, remedy))
@@ -187,18 +274,20 @@ def grad_doctor(*models: torch.nn.Module, file=None) -> Iterator[Diagnosis]:
     """
     diagnosis = Diagnosis()
     stream = file if file is not None else sys.stderr
-    try:
-        yield diagnosis
-    except RuntimeError as error:
+    with watching() as watch:
+        watch.snapshot(models)
+        try:
+            yield diagnosis
+        except RuntimeError as error:
+            for model in models:
+                diagnosis.findings += explain_grads(model, error, watch).findings
+            if diagnosis:
+                print(diagnosis, file=stream)
+                if hasattr(error, "add_note"):  # Python 3.11+
+                    error.add_note(str(diagnosis))
+            raise
         for model in models:
-            diagnosis.findings += explain_grads(model, error).findings
-        if diagnosis:
-            print(diagnosis, file=stream)
-            if hasattr(error, "add_note"):  # Python 3.11+
-                error.add_note(str(diagnosis))
-        raise
-    for model in models:
-        diagnosis.findings += explain_grads(model).findings
+            diagnosis.findings += explain_grads(model, None, watch).findings
     if diagnosis:
         print(diagnosis, file=stream)
     plan = checkpoint_plan_text(*models)
@@ -214,64 +303,6 @@ def run_script(path: str, argv: list[str]) -> None:
     and a message. The models are found as the outermost modules called before a backward; findings
     are printed once.
     """
-    import os
-    import runpy
-    import weakref
+    from gradpatch._doctor_script import run
 
-    if not os.path.isfile(path):
-        print(f"gradpatch doctor: cannot run {path!r}: no such file", file=sys.stderr)
-        raise SystemExit(2)
-
-    roots: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
-    depth = [0]
-    seen: set[str] = set()
-
-    def before(module: torch.nn.Module, _args: object) -> None:
-        if depth[0] == 0:
-            roots.add(module)
-        depth[0] += 1
-
-    def after(_module: torch.nn.Module, _args: object, _output: object) -> None:
-        depth[0] = max(depth[0] - 1, 0)
-
-    def report(error: BaseException | None = None) -> str:
-        text = "\n".join(str(f) for model in list(roots) for f in explain_grads(model, error).findings
-                         if str(f) not in seen and not seen.add(str(f)))
-        # A failing backward carries the diagnosis as a note, which its traceback prints: printing it
-        # here too would show it twice.
-        if text and (error is None or not hasattr(error, "add_note")):
-            print("gradpatch doctor:\n" + text, file=sys.stderr)
-        plan = checkpoint_plan_text(*roots)
-        head = plan.partition("\n")[0]
-        if plan and ": measuring" not in head and head not in seen:  # each finished plan once
-            seen.add(head)
-            print(f"gradpatch doctor: {plan}", file=sys.stderr)
-        return text
-
-    original_backward = torch.autograd.backward
-
-    def backward(*args: object, **kwargs: object) -> None:
-        try:
-            original_backward(*args, **kwargs)
-        except RuntimeError as error:
-            text = report(error)
-            if text and hasattr(error, "add_note"):
-                error.add_note("gradpatch doctor:\n" + text)
-            raise
-        report()
-
-    handles = [torch.nn.modules.module.register_module_forward_pre_hook(before),
-               torch.nn.modules.module.register_module_forward_hook(after)]
-    # Tensor.backward calls torch.autograd.backward through the module attribute.
-    torch.autograd.backward = backward
-    sys.argv = [path, *argv]
-    folder = os.path.dirname(os.path.abspath(path))
-    sys.path.insert(0, folder)
-    try:
-        runpy.run_path(path, run_name="__main__")
-    finally:
-        if folder in sys.path:
-            sys.path.remove(folder)
-        torch.autograd.backward = original_backward
-        for handle in handles:
-            handle.remove()
+    run(path, argv)

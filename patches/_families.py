@@ -9,6 +9,8 @@ from gradpatch.patching.registry import Patch
 from gradpatch.sampling.any_sampler import fix as _fixes
 from gradpatch.sampling.any_sampler import sampler
 
+from ._ldm import LDM_SAMPLING
+
 _FIX = "gradpatch.checkpointing.checkpoint"
 _SUMMARY = "fixed checkpoint: frozen params, None inputs, dropout RNG, autocast, double backward"
 _PAIR = ("checkpoint", "CheckpointFunction")
@@ -122,7 +124,7 @@ F5_SAMPLE = Family(
     }),),
 )
 
-FAMILIES = [CHECKPOINT, FLOW_MATCHING, F5_SAMPLE]
+FAMILIES = [CHECKPOINT, FLOW_MATCHING, F5_SAMPLE, LDM_SAMPLING]
 
 
 def checkpoint_family(upstream: str, module: str, known: Mapping[str, str], *,

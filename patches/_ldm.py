@@ -13,7 +13,9 @@ live and which of the family's methods each defines::
 
 Each method becomes one :class:`~gradpatch.patching.registry.Patch` named ``"<upstream>.<Class>.<method>"``,
 recognised by every known version of that method (wherever it was found first), so an edited method is
-left alone (with a warning) while its siblings are patched. ``:lifted`` selects the versions whose body
+left alone (with a warning) while its siblings are patched. The same table is the family
+:data:`LDM_SAMPLING` the scan looks for at every other path: a class of the family's name with a
+known method gets the same patches, named after its module. ``:lifted`` selects the versions whose body
 holds an in-body ``no_grad`` (recognised with :class:`gradpatch.sampling.lift.Liftable`: the fingerprint
 of the source the loaded code object points at).
 """
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
+from gradpatch.patching.families import MethodVersions
 from gradpatch.patching.fingerprint import Fingerprints
 from gradpatch.patching.registry import Patch
 from gradpatch.sampling.lift import Liftable
@@ -32,22 +35,29 @@ from ._ldm_samplers import SAMPLERS
 VERSIONS = {**SAMPLERS, **MODELS}
 
 
-def ldm_sampling(upstream: str, classes: Mapping[str, str], *, requires: str | None = None) -> list[Patch]:
+def ldm_sampling(upstream: str, classes: Mapping[str, str], *, requires: str | None = None,
+                 name: str | None = None) -> list[Patch]:
     """One :class:`Patch` per method that ``classes`` (``"module:Class"`` -> ``"method method:lifted ..."``)
-    names; see the module docstring."""
+    names, called ``"<name or upstream>.<Class>.<method>"``; see the module docstring."""
     patches = []
     for where, methods in classes.items():
         module, _, cls = where.partition(":")
         for method in methods.split():
-            name, _, variant = method.partition(":")
-            key = f"{cls}.{name}" + (f":{variant}" if variant else "")
+            method_name, _, variant = method.partition(":")
+            key = f"{cls}.{method_name}" + (f":{variant}" if variant else "")
             if key not in VERSIONS:
                 raise ValueError(f"{upstream}: no known versions of {key!r}; declare them in "
                                  "patches/_ldm_samplers.py or patches/_ldm_models.py")
             role, known, *fixed = VERSIONS[key]
             liftable = role in (LIFTED, SOLVER)
             recognise = (Liftable if liftable else Fingerprints)(dict(known), dict(fixed[0]) if fixed else {})
-            qualname = f"{cls}.{name}"
-            patches.append(Patch(f"{upstream}.{qualname}", f"{module}:{qualname}", f"{FIXES[role]}:{role}",
+            qualname = f"{cls}.{method_name}"
+            patches.append(Patch(f"{name or upstream}.{qualname}", f"{module}:{qualname}", f"{FIXES[role]}:{role}",
                                  recognise, upstream, SUMMARIES[role], requires))
     return patches
+
+
+#: The family, found by the scan wherever a codebase copied its classes (``ldm_sampling`` declares the
+#: known paths with their provenance and version ranges).
+LDM_SAMPLING = MethodVersions("ldm_sampling", VERSIONS, ldm_sampling,
+                              frozenset(f"{FIXES[role]}:{role}" for role, *_ in VERSIONS.values()))

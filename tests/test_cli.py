@@ -49,7 +49,7 @@ def test_doctor_without_a_script_prints_its_usage():
 
 @pytest.mark.parametrize("command", ["list", "status"])
 def test_tables_fit_100_columns_and_wide_and_json_keep_everything(command):
-    narrow = gradpatch(command)
+    narrow = gradpatch(command, *(["--all"] if command == "status" else []))
     assert narrow.returncode == 0, narrow.stderr
     assert widest(narrow.stdout) <= WIDTH
     assert "audioldm.checkpoint" in narrow.stdout
@@ -59,6 +59,25 @@ def test_tables_fit_100_columns_and_wide_and_json_keep_everything(command):
     assert target in line and widest(wide.stdout) > WIDTH
     rows = {row["patch"]: row for row in json.loads(gradpatch(command, "--json").stdout)}
     assert rows["audioldm2.CheckpointFunction"]["target"] == target
+
+
+def test_status_says_first_whether_gradpatch_is_active_then_summarises():
+    from gradpatch.cli_status import activity_line, startup_file
+
+    off = gradpatch("status")
+    lines = off.stdout.splitlines()
+    assert off.returncode == 0 and widest(off.stdout) <= WIDTH and len(lines) < 20, off.stdout
+    assert lines[0].startswith("gradpatch: NOT active (GRADPATCH unset, ")
+    assert any(line.startswith("  audioldm 0.1.1: 22 patches (22 code known)") for line in lines), lines
+    assert lines[-1] == "every patch: gradpatch status --all (or --wide, --json)"
+    on = gradpatch("status", env={"GRADPATCH": "1"}).stdout.splitlines()[0]
+    assert startup_file() is not None  # this test environment installs the start-up file
+    assert on.startswith("gradpatch: ACTIVE in every Python process here (GRADPATCH=1, start-up file ")
+    everything = gradpatch("status", "--all", env={"GRADPATCH": "0"}).stdout.splitlines()
+    assert everything[0].startswith("gradpatch: NOT active (GRADPATCH=0, ") and len(everything) > 100
+    assert activity_line({"GRADPATCH": "f5-tts"}, None) == (
+        "gradpatch: active only where imported (GRADPATCH=f5-tts; no start-up file): import gradpatch.auto")
+    assert "no start-up file" in activity_line({}, None) and len(activity_line({"GRADPATCH": "x" * 90}, "/p" * 80)) <= WIDTH
 
 
 def test_status_reports_the_copy_that_gets_imported(tmp_path):
@@ -77,7 +96,7 @@ def test_status_reports_the_copy_that_gets_imported(tmp_path):
     assert row["version"] is None and row["path"] == str(local / "util.py")
     assert row["shadowed"] == f"a local copy is imported: {local / 'util.py'} (installed: audioldm 0.1.1)"
     assert row["code"].startswith("known: V1")  # recognised from the copy that is imported
-    table = gradpatch("status", cwd=tmp_path).stdout
+    table = gradpatch("status", "--all", cwd=tmp_path).stdout
     assert "local copy" in table and widest(table) <= WIDTH
 
 

@@ -35,7 +35,9 @@ exceeds the last plan's.
 
 A block called several times per step (shared weights), or measured again before an earlier call's
 backward, counts as many times as its calls' graphs were alive at once. Limits: only module methods
-are planned (other functions are always checkpointed); blocks whose first call goes to torch's own
+are planned (other functions are always checkpointed); blocks inside torch.compile regions take
+torch's checkpoint and are always recomputed (one ``ConfigWarning`` says so; see
+:mod:`gradpatch.checkpointing._budget_compile`); blocks whose first call goes to torch's own
 checkpoint (the graph path at once, as DataParallel replicas do) cannot be counted and are always
 recomputed; shapes that never repeat are measured at
 every step and never planned; a few shapes that alternate from step to step are planned together,
@@ -54,11 +56,14 @@ from torch import Tensor
 from gradpatch.checkpointing import _measure as _bytes
 from gradpatch.checkpointing import plan as budget
 from gradpatch.checkpointing._compat import autocast_dtype, autocast_enabled, is_compiling
+from gradpatch.checkpointing._budget_compile import watch as _watch_compilation
 from gradpatch.checkpointing._measure import _Measured, measure
 from gradpatch.checkpointing._paths import run as _checkpoint
 from gradpatch.checkpointing.plan import Plan, PlanEntry
 
 __all__ = ["checkpoint_plan", "Plan", "PlanEntry", "reset"]
+
+_watch_compilation()  # compiled regions are not planned: warn once when one is compiled
 
 #: Calls measured per block before it is planned: the first one runs with cold caches.
 TIMING_CALLS = 2

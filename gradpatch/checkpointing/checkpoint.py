@@ -52,6 +52,7 @@ import torch
 from torch import Tensor
 
 from gradpatch import settings
+from gradpatch.checkpointing._compat import functorch_active
 from gradpatch.checkpointing._paths import run as _checkpoint
 
 __all__ = ["checkpoint", "CheckpointFunction", "mixed_checkpoint", "non_reentrant",
@@ -79,11 +80,15 @@ def checkpoint(func: Callable[..., Any], inputs: Sequence[Any], params: Iterable
     Returns:
         What ``func`` returns. Without recomputation (policy, ``flag``, or grad mode off, as under
         ``torch.no_grad()``/``torch.inference_mode()``) this is ``func(*inputs)``, called once.
+        Under a ``torch.func`` transform (``grad``, ``vjp``, ``vmap``, ``jacrev``, ``jvp``,
+        ``hessian``; torch's own checkpoint refuses them) it is ``func(*inputs)`` too, so the
+        transform's result is exact; the block's activations are then kept, as without checkpoint.
         Gradients, also through ``create_graph=True`` and a second backward after
         ``retain_graph=True``, equal those of ``func(*inputs)`` without checkpointing.
     """
     policy = settings.checkpoint_policy
-    if policy == "never" or not (flag or policy == "always") or not torch.is_grad_enabled():
+    if policy == "never" or not (flag or policy == "always") or not torch.is_grad_enabled() \
+            or functorch_active():
         return func(*inputs)
     if policy[0] == "b":  # "budget:<size>"
         from gradpatch.checkpointing import budget as checkpoint_budget
@@ -107,7 +112,8 @@ def mixed_checkpoint(func: Callable[..., Any], inputs: Mapping[str, Any],
     """sgm's ``mixed_checkpoint``: :func:`checkpoint` calling ``func(**inputs)``; non-tensor values
     are passed through unchanged."""
     policy = settings.checkpoint_policy
-    if policy == "never" or not (flag or policy == "always") or not torch.is_grad_enabled():
+    if policy == "never" or not (flag or policy == "always") or not torch.is_grad_enabled() \
+            or functorch_active():
         return func(**inputs)
     if policy[0] == "b":  # "budget:<size>"
         from gradpatch.checkpointing import budget as checkpoint_budget
@@ -121,9 +127,16 @@ def non_reentrant(torch_checkpoint: Callable[..., Any]) -> Callable[..., Any]:
 
     An explicit ``True``/``False`` is kept; missing or ``None`` (torch's "unspecified", which warns
     and means reentrant) becomes ``False``. Everything else, the decorator form included, passes
-    through. Each call returns a new wrapper; it pickles as ``non_reentrant(torch_checkpoint)``.
+    through. Under a ``torch.func`` transform, which torch's checkpoint refuses ("don't yet support
+    saved tensor hooks"), the function runs directly: the transform's exact result, without the
+    memory saving. Each call returns a new wrapper; it pickles as ``non_reentrant(torch_checkpoint)``.
     """
     return _NonReentrant(torch_checkpoint)
+
+
+# torch.utils.checkpoint.checkpoint's own keyword arguments (2.1 to 2.15): not passed to the function.
+_TORCH_CHECKPOINT_OPTIONS = ("use_reentrant", "preserve_rng_state", "context_fn", "determinism_check",
+                             "debug", "early_stop")
 
 
 class _NonReentrant:
@@ -133,6 +146,10 @@ class _NonReentrant:
         functools.update_wrapper(self, torch_checkpoint)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if args and functorch_active():  # torch's checkpoint refuses torch.func transforms
+            for option in _TORCH_CHECKPOINT_OPTIONS:
+                kwargs.pop(option, None)
+            return args[0](*args[1:], **kwargs)
         if kwargs.get("use_reentrant") is None:
             kwargs["use_reentrant"] = False
         return self.__wrapped__(*args, **kwargs)

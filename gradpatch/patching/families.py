@@ -17,7 +17,8 @@ interpreter start (under ``GRADPATCH=1``) and must stay cheap.
 """
 from __future__ import annotations
 
-from typing import Mapping, NamedTuple, Sequence
+from types import ModuleType
+from typing import Callable, Mapping, NamedTuple, Sequence
 
 from gradpatch.patching.fingerprint import Fingerprints
 from gradpatch.patching.registry import Patch
@@ -131,6 +132,34 @@ class Family(NamedTuple):
         smallest = min((over for over, _ in self.fingerprints), key=len)
         return sorted(covering, key=len, reverse=True) or [smallest]
 
+    def copy_in(self, module: ModuleType, namespace: Mapping[str, object], name: str) -> list[Patch]:
+        """The patches for the copy ``module`` (named ``name``, globals ``namespace``) holds, or ``[]``
+        if its definitions that share a member's name are not in the members' shapes (unrelated code).
+        A copy is identified by the largest set of names it defines whose fingerprint is known, else
+        by the largest it defines (and then reported as unknown code)."""
+        shaped = [m.name for m in self.members if getattr(resolve(namespace, m.name), "__module__", None) == name
+                  and m.shape.matches(resolve(namespace, m.name))]
+        if not self.is_copy(shaped):
+            return []
+        over = self._group(module, namespace)
+        return self.patches(name.partition(".")[0], name, self.known(over), over=over, name=name)
+
+    def _group(self, module: ModuleType, namespace: Mapping[str, object]) -> tuple[str, ...]:
+        objects = tuple(resolve(namespace, name) for name in self.names)
+        key = (self.name,) + tuple(id(getattr(obj, "__code__", obj)) for obj in objects)
+        if key in _chosen:
+            return _chosen[key][1]
+        groups = self.groups([name for name, obj in zip(self.names, objects) if obj is not None])
+        chosen = groups[0]
+        for over in groups:
+            recognise = Fingerprints(self.known(over), over=over)
+            if recognise.identify(module, over[0], resolve(namespace, over[0])).verdict == "known":
+                chosen = over
+                break
+        # The objects are kept with the key so that their ids cannot be reused by other code.
+        _chosen[key] = (tuple(getattr(obj, "__code__", obj) for obj in objects), chosen)
+        return chosen
+
     def patches(self, upstream: str, module: str, known: Mapping[str, str], *, over: Sequence[str],
                 requires: str | None = None, name: str | None = None) -> list[Patch]:
         """The patches replacing every member in ``over`` that has a fix, in ``module``, recognised
@@ -139,3 +168,75 @@ class Family(NamedTuple):
         return [Patch(f"{name or upstream}.{member.name}", f"{module}:{member.name}", member.fix, recognise,
                       upstream, member.summary, requires)
                 for member in self.members if member.fix and member.name in over]
+
+
+# The set of names each copy was identified by, per family and code objects (see Family._group).
+_chosen: dict[tuple, tuple[tuple[object, ...], tuple[str, ...]]] = {}
+
+
+class MethodVersions(NamedTuple):
+    """Methods copied between codebases one at a time, each recognised by its own known versions.
+
+    The latent-diffusion family's samplers (``DDIMSampler.sample``, ``LatentDiffusion.p_sample_loop``)
+    are whole classes copied from CompVis into AudioLDM, AudioLDM2, AudioSR, Stable Diffusion 1/2,
+    ControlNet and many research repositories, with single methods edited here and there, so each method
+    is recognised alone. ``versions`` maps ``"Class.method"`` (``"Class.method:variant"`` for versions
+    that need another recogniser, such as a body with an in-body ``no_grad``) to its role and known
+    fingerprints; ``build(upstream, {"module:Class": "method method:variant ..."}, name=...)`` turns
+    names into patches (the same function declares the known paths in ``patches/``), and ``fixes`` are
+    the fix strings those patches use (the scan looks for copies while one of them is wanted).
+
+    A module holds a copy when a class it defines itself, under one of the classes' names, has a method
+    whose version is known (or fixed upstream): then every method of the family that class defines gets
+    its patch, so an edited method is left alone and reported while its siblings are patched. A class
+    with no known method is unrelated code that shares a name, and is not touched.
+    """
+
+    name: str
+    versions: Mapping[str, tuple]
+    build: Callable[..., list[Patch]]
+    fixes_used: frozenset[str]
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(self.versions)
+
+    @property
+    def heads(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(name.partition(".")[0] for name in self.versions))
+
+    def fixes(self) -> frozenset[str]:
+        return self.fixes_used
+
+    def copy_in(self, module: ModuleType, namespace: Mapping[str, object], name: str) -> list[Patch]:
+        """The patches for the classes of the family ``module`` defines, or ``[]`` if none of their
+        methods is a known version (see the class docstring)."""
+        upstream, chosen, recognised = name.partition(".")[0], {}, False
+        for head in self.heads:
+            cls = namespace.get(head)
+            if not isinstance(cls, type) or cls.__module__ != name:
+                continue
+            methods = []
+            for method, variants in self._methods(head):
+                original = vars(cls).get(method)
+                if original is None:
+                    continue
+                pick = variants[0]
+                for variant in variants:
+                    patch, = self.build(upstream, {f"{name}:{head}": variant}, name=name)
+                    if patch.recognise.identify(module, patch.qualname, original).verdict in ("known", "fixed"):
+                        pick, recognised = variant, True
+                        break
+                methods.append(pick)
+            if methods:
+                chosen[f"{name}:{head}"] = " ".join(methods)
+        return self.build(upstream, chosen, name=name) if recognised else []
+
+    def _methods(self, head: str) -> list[tuple[str, list[str]]]:
+        """``(method, [variant, ...])`` for the methods of class ``head``, in declaration order."""
+        methods: dict[str, list[str]] = {}
+        for key in self.versions:
+            cls, _, method = key.partition(".")
+            if cls == head:
+                methods.setdefault(method.partition(":")[0], []).append(method)
+        return list(methods.items())

@@ -34,7 +34,6 @@ from typing import Any
 enabled = False
 _families: list[Any] = []
 _names: tuple[str, ...] = ()  # every member's module-level name, of every family: the per-module check
-_chosen: dict[tuple[int, ...], tuple[tuple[object, ...], tuple[str, ...]]] = {}  # per code object
 
 
 def families() -> list[Any]:
@@ -61,44 +60,15 @@ def candidate(namespace: dict) -> bool:
 
 def copies(module: ModuleType, namespace: dict, selected: list[Any]) -> list[tuple[Any, list[Any]]]:
     """``(family, patches)`` for each of the ``selected`` families whose copy ``module`` (with globals
-    ``namespace``, not a declared path) defines: the patches replacing its members, recognised by the
-    family's fingerprints of the largest set of names it defines whose fingerprint is known."""
-    from gradpatch.patching.families import resolve
-
+    ``namespace``, not a declared path) defines: the patches replacing its members, as the family
+    recognises them (:meth:`gradpatch.patching.families.Family.copy_in`)."""
     name = namespace.get("__name__")
     if not isinstance(name, str) or name.partition(".")[0] == "gradpatch":
         return []
     found = []
     for family in selected:
-        shaped = [m.name for m in family.members if getattr(resolve(namespace, m.name), "__module__", None) == name
-                  and m.shape.matches(resolve(namespace, m.name))]
-        if not family.is_copy(shaped):
-            continue  # unrelated code that uses a member's name
-        over = _group(module, namespace, family)
-        top = name.partition(".")[0]
-        patches = [patch._replace(summary=f"copy found by scan ({family.name}); {patch.summary}")
-                   for patch in family.patches(top, name, family.known(over), over=over, name=name)]
-        found.append((family, patches))
+        patches = family.copy_in(module, namespace, name)
+        if patches:
+            found.append((family, [patch._replace(summary=f"copy found by scan ({family.name}); {patch.summary}")
+                                   for patch in patches]))
     return found
-
-
-def _group(module: ModuleType, namespace: dict, family: Any) -> tuple[str, ...]:
-    """The set of names to identify ``module``'s copy by: the largest it defines whose fingerprint
-    is known, else the largest it defines (which is then reported as unknown)."""
-    from gradpatch.patching.families import resolve
-    from gradpatch.patching.fingerprint import Fingerprints
-
-    objects = tuple(resolve(namespace, name) for name in family.names)
-    key = tuple(id(getattr(obj, "__code__", obj)) for obj in objects)
-    if key in _chosen:
-        return _chosen[key][1]
-    groups = family.groups([name for name, obj in zip(family.names, objects) if obj is not None])
-    chosen = groups[0]
-    for over in groups:
-        recognise = Fingerprints(family.known(over), over=over)
-        if recognise.identify(module, over[0], resolve(namespace, over[0])).verdict == "known":
-            chosen = over
-            break
-    # The objects are kept with the key so that their ids cannot be reused by other code.
-    _chosen[key] = (tuple(getattr(obj, "__code__", obj) for obj in objects), chosen)
-    return chosen

@@ -40,8 +40,8 @@ import torch
 
 from gradpatch.errors import NotDifferentiableError, RevertWarning, complain
 from gradpatch.sampling.diffusers_run import differentiable_run, in_call, inside
-from gradpatch.sampling.options import (check_flag, check_keywords, sampling_options, step_budget,
-                                      swallowed_keywords)
+from gradpatch.sampling.options import (check_flag, check_keywords, note_cached_call, sampling_options,
+                                        step_budget, swallowed_keywords)
 from gradpatch.sampling.runner import active_options, recording
 
 __all__ = ["NotDifferentiableError", "guard_modular_call", "no_grad_body", "patch_pipeline_hierarchy"]
@@ -51,9 +51,17 @@ _HELPER = re.compile(r"_?(encode|decode|vae_decode)")
 _DECORATED = torch.no_grad()(lambda: None).__code__  # torch's ``decorate_context``, shared by all uses
 
 
+def _decorated(code: object) -> bool:
+    """Whether ``code`` is ``decorate_context``: the same object up to torch 2.14; from 2.15 a copy
+    per decorated function, renamed after its context manager (same instructions and closure)."""
+    return code is _DECORATED or (isinstance(code, type(_DECORATED)) and code.co_code == _DECORATED.co_code
+                                  and code.co_filename == _DECORATED.co_filename
+                                  and code.co_freevars == _DECORATED.co_freevars)
+
+
 def no_grad_body(fn: object) -> Callable[..., Any] | None:
     """The function under ``@torch.no_grad()`` if ``fn`` is exactly that decorator's wrapper, else None."""
-    if getattr(fn, "__code__", None) is not _DECORATED or not hasattr(fn, "__wrapped__"):
+    if not _decorated(getattr(fn, "__code__", None)) or not hasattr(fn, "__wrapped__"):
         return None
     closure = getattr(fn, "__closure__", None) or ()
     cells = {name: cell.cell_contents for name, cell in zip(_DECORATED.co_freevars, closure)}
@@ -105,6 +113,7 @@ def _differentiable_call(original: Callable[..., Any], body: Callable[..., Any])
         else:
             options = sampling_options(cache, grad_steps, checkpoint_steps)
         if cache:
+            note_cached_call(f"{type(self).__name__}.__call__", self)
             return original(self, *args, **kwargs)
         _check_output_type(body, self, args, kwargs)
         with differentiable_run(self, options):

@@ -53,6 +53,7 @@ from typing import Any, Callable, Iterator, TypeVar
 
 import torch
 
+from gradpatch.sampling.options import note_cached_call
 from gradpatch.sampling.runner import (SamplingOptions, _shadow, _with_keywords, active_options, check_keywords,
                                       differentiable, run_step, sampling_options, swallowed_keywords)
 
@@ -165,6 +166,7 @@ def _sampler(original: Callable[..., T], *, adaptive: bool) -> Callable[..., T]:
         options = outer if follow else sampling_options(True if cache is _UNSET else cache, grad_steps,
                                                         checkpoint_steps)
         if not follow and (cache is _UNSET or cache):
+            note_cached_call(name, args[0] if args else kwargs.get("model"))
             return original(*args, **kwargs)
         assert options is not None
         if adaptive and options.grad_steps is not None:

@@ -25,6 +25,7 @@ from gradpatch.errors import NotDifferentiableError
 from gradpatch.sampling import _gradoff
 from gradpatch.sampling._inplace import CopyOnWrite
 from gradpatch.sampling._values import clean as _clean, codes as _codes, describe as _describe, tensors as _tensors
+from gradpatch.sampling.options import note_cached_call
 from gradpatch.sampling.runner import (SamplingRun, _shadow, _with_keywords, run_step, sampling_options,
                                       stepped_odeint)
 
@@ -248,6 +249,8 @@ def make(fn: Callable[..., Any], step: Any = None, steps: Any = None, *, cache: 
         sampling_options(flag, grad_steps, checkpoint_steps)  # validates, as every patched sampler does
         if flag or (cache is _UNSET and _gradoff._active.get() is not None and grad_steps is None
                     and not checkpoint_steps):
+            if flag:
+                note_cached_call(where, owner if owner is not None else (args[0] if args else None))
             return fn(*args, **kwargs)  # upstream's call (inside another call: its constructs are inert already)
         this = owner if owner is not None else (args[0] if args and "self" in (sampler.signature.parameters
                                                                                if sampler.signature else ()) else None)

@@ -59,6 +59,7 @@ import torch
 
 from gradpatch.errors import NotDifferentiableError
 from gradpatch.sampling.diffusers import no_grad_body
+from gradpatch.sampling.options import note_cached_call
 from gradpatch.sampling.runner import (SamplingOptions, SamplingRun, _current, _shadow, _with_keywords,
                                       check_keywords, differentiable, recording, run_step, sampling_options,
                                       swallowed_keywords)
@@ -199,6 +200,7 @@ def _entry(original: Callable[..., Any], body: Callable[..., Any]) -> Callable[.
             return body(self, *args, **kwargs)  # reached from a cache=False call: continue its graph
         options = sampling_options(True if cache is _UNSET else cache, grad_steps, checkpoint_steps)
         if cache is _UNSET or cache:
+            note_cached_call(f"{type(self).__name__}.{name}", self)
             return original(self, *args, **kwargs)
         with _differentiable_call(self, name, options) as run:
             out = body(self, *args, **kwargs)

@@ -77,9 +77,11 @@ _lifted: dict[int, tuple[FunctionType, FunctionType]] = {}  # by function: its c
 
 def _grad_mode_decorator(fn: object) -> bool:
     """Whether ``fn`` is the wrapper torch's grad-mode decorators make (``@torch.no_grad()``,
-    ``@torch.inference_mode()``): ``decorate_context`` or ``generator_context`` of torch's _contextlib."""
+    ``@torch.inference_mode()``): ``decorate_context`` or ``generator_context`` of torch's _contextlib.
+    Recognised by file and closure, not name: from torch 2.15 each wrapper's code is renamed after
+    its context manager (``no_grad``), for tracebacks."""
     code = getattr(fn, "__code__", None)
-    return (isinstance(code, CodeType) and code.co_name in ("decorate_context", "generator_context")
+    return (isinstance(code, CodeType) and code.co_freevars == ("ctx_factory", "func")
             and code.co_filename.replace("\\", "/").endswith("torch/utils/_contextlib.py"))
 
 

@@ -44,6 +44,24 @@ OPTIONS = ("cache", "grad_steps", "checkpoint_steps")
 """The keywords every patched sampler takes."""
 
 
+#: Callables told of each patched-sampler call that runs the original (``cache=True``, the default)
+#: while grad mode is on: ``observer(sampler_name, owner)``, ``owner`` the sampler's object or its
+#: first argument. The doctor listens while it watches a step (such a call's output has no graph);
+#: empty otherwise, which costs one truth test per call.
+cached_call_observers: list[Callable[[str, Any], None]] = []
+
+
+def note_cached_call(name: str, owner: Any) -> None:
+    """Tell :data:`cached_call_observers` that ``name`` ran with ``cache=True`` under grad mode."""
+    if not cached_call_observers:
+        return
+    import torch  # imported already by every sampler fix that calls this
+
+    if torch.is_grad_enabled():
+        for observer in list(cached_call_observers):
+            observer(name, owner)
+
+
 def check_flag(name: str, value: object) -> None:
     """TypeError unless ``value`` is a boolean (``bool`` or ``numpy.bool_``): ``cache="False"`` or
     ``cache=0`` would otherwise be read by truth value, silently choosing the other code path."""

@@ -61,7 +61,7 @@ import torch.utils.checkpoint
 
 from gradpatch.sampling import _step_checkpoint
 from gradpatch.sampling.options import (OPTIONS, SamplingOptions, check_flag, check_keywords,  # noqa: F401
-                                     sampling_options, swallowed_keywords)
+                                     note_cached_call, sampling_options, swallowed_keywords)
 
 T = TypeVar("T")
 
@@ -349,6 +349,7 @@ def differentiable_sampler(original: Callable[..., T], *, denoiser: str = "trans
         options = sampling_options(cache, grad_steps, checkpoint_steps)
         check_keywords(kwargs, accepted, f"{type(self).__name__}.sample")
         if cache:
+            note_cached_call(f"{type(self).__name__}.sample", self)
             return original(self, *args, **kwargs)
         with contextlib.ExitStack() as stack:
             run = stack.enter_context(differentiable(self, options))
