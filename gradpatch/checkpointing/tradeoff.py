@@ -12,7 +12,7 @@ Cost: about ``(2 + len(fractions)) * (planning + repeats + 1)`` steps; the budge
 afresh (:func:`gradpatch.checkpointing.budget.reset`). The step must be repeatable: it is called
 many times, with the optimiser (if it steps one) moving the weights. Only blocks the caller asks to
 checkpoint (upstream's ``flag=True``) are affected: a model without such blocks shows one point.
-The PNG plot needs matplotlib (``pip install matplotlib``); the table does not.
+The PNG plot needs matplotlib (``pip install "gradpatch[plot]"``, or matplotlib); the table does not.
 """
 from __future__ import annotations
 
@@ -54,8 +54,8 @@ class Tradeoff(tuple):  # type: ignore[type-arg]
             matplotlib.use("Agg")
             import matplotlib.pyplot as plt
         except ImportError:
-            raise ImportError("gradpatch: the trade-off plot needs matplotlib; pip install "
-                              "matplotlib (the table needs nothing)") from None
+            raise ImportError("gradpatch: the trade-off plot needs matplotlib; pip install \"gradpatch[plot]\" (or "
+                              "matplotlib; the table needs nothing)") from None
         fig, ax = plt.subplots(figsize=(5.5, 3.6), dpi=120)
         xs, ys = [p.extra_bytes / 2**20 for p in self], [p.ratio for p in self]
         ax.plot(xs, ys, "o-", color="tab:blue")

@@ -41,7 +41,7 @@ import torch
 from gradpatch.errors import NotDifferentiableError, RevertWarning, complain
 from gradpatch.sampling.diffusers_run import differentiable_run, in_call, inside
 from gradpatch.sampling.options import (check_flag, check_keywords, note_cached_call, sampling_options,
-                                        swallowed_keywords)
+                                        step_budget, swallowed_keywords)
 from gradpatch.sampling.runner import active_options, recording
 
 __all__ = ["NotDifferentiableError", "guard_modular_call", "no_grad_body", "patch_pipeline_hierarchy"]
@@ -73,7 +73,7 @@ def _signature(original: Callable[..., Any]) -> inspect.Signature | None:
     """The original parameters plus the three keyword-only ones (before ``**kwargs``), for help()/IDEs."""
     P = inspect.Parameter
     new = [P(name, P.KEYWORD_ONLY, default=default, annotation=annotation) for name, default, annotation
-           in (("cache", True, bool), ("grad_steps", None, "int | None"), ("checkpoint_steps", False, bool))]
+           in (("cache", True, bool), ("grad_steps", None, "int | None"), ("checkpoint_steps", False, "bool | str"))]
     try:
         sig = inspect.signature(original)
         params = [p for p in sig.parameters.values() if p.name not in _NEW]
@@ -129,9 +129,10 @@ def _guarded_call(original: Callable[..., Any], reason: str) -> Callable[..., An
     @functools.wraps(original)
     def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
         # Without this, ``**kwargs`` in many signatures would swallow cache=False silently.
-        for name in ("cache", "checkpoint_steps"):
-            if name in kwargs:
-                check_flag(name, kwargs[name])
+        if "cache" in kwargs:
+            check_flag("cache", kwargs["cache"])
+        if "checkpoint_steps" in kwargs:
+            step_budget(kwargs["checkpoint_steps"])
         if kwargs.get("cache", True) is False or kwargs.get("grad_steps") is not None \
                 or kwargs.get("checkpoint_steps") or ("cache" not in kwargs and inside.get()):
             raise NotDifferentiableError(f"{type(self).__name__} cannot run with cache=False: {reason}")

@@ -12,7 +12,7 @@ import torch
 
 from gradpatch.errors import NotDifferentiableError
 from gradpatch.sampling.ldm import EMA_MESSAGE, _active, _counted, _in_ema, _sampling
-from gradpatch.sampling.options import SamplingOptions, check_flag
+from gradpatch.sampling.options import SamplingOptions, check_flag, step_budget
 
 
 def refuse_cache_false(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -27,8 +27,8 @@ def refuse_cache_false(original: Callable[..., Any]) -> Callable[..., Any]:
     def method(self: Any, *args: Any, **kwargs: Any) -> Any:
         # Validated as every sampler's keywords: cache="False" or 0 is a TypeError, numpy.False_ is False.
         check_flag("cache", kwargs.get("cache", True))
-        check_flag("checkpoint_steps", kwargs.get("checkpoint_steps", False))
-        options = SamplingOptions(kwargs.get("grad_steps"), kwargs.get("checkpoint_steps", False))
+        step_budget(kwargs.get("checkpoint_steps", False))  # True, False or "budget:<size>"
+        options = SamplingOptions(kwargs.get("grad_steps"), bool(kwargs.get("checkpoint_steps", False)))
         asked = not kwargs.get("cache", True) or options.grad_steps is not None or options.checkpoint_steps \
             or ("cache" not in kwargs and _active() is not None)
         if asked:

@@ -1,5 +1,5 @@
 """The keywords every patched sampler takes, ``cache``, ``grad_steps``, ``checkpoint_steps``, and their
-validation: wrong types are a TypeError (``cache="False"`` is not read by truth value), and a keyword
+validation (``checkpoint_steps`` also takes ``"budget:<size>"``): wrong types are a TypeError (``cache="False"`` is not read by truth value), and a keyword
 that a sampler's ``**kwargs`` would swallow but that looks like one of them (``grad_step=2``) is a
 warning, an error in strict mode.
 """
@@ -21,6 +21,8 @@ class SamplingOptions:
 
     grad_steps: int | None = None
     checkpoint_steps: bool = False
+    step_budget: int | None = None
+    """Bytes of ``checkpoint_steps="budget:<size>"`` (``checkpoint_steps`` is then True)."""
 
     def __post_init__(self) -> None:
         if self.grad_steps is None:
@@ -67,15 +69,35 @@ def check_flag(name: str, value: object) -> None:
         raise TypeError(f"{name} must be True or False, not {value!r} ({type(value).__name__})")
 
 
-def sampling_options(cache: bool, grad_steps: int | None, checkpoint_steps: bool) -> SamplingOptions:
-    """Validate the keywords a patched sampler received: ``cache`` and ``checkpoint_steps`` booleans,
-    ``grad_steps`` None or a positive integral number (see :class:`SamplingOptions`)."""
+def step_budget(checkpoint_steps: object) -> int | None:
+    """The bytes of ``checkpoint_steps="budget:<size>"`` (sizes as for the checkpoint policy:
+    ``"budget:512MiB"``, ``"budget:2GB"``, ``"budget:1.5e9"``); None for True or False. A bad size is
+    a ValueError; another string (``"yes"``, read by truth value) or type a TypeError."""
+    if not isinstance(checkpoint_steps, str):
+        check_flag("checkpoint_steps", checkpoint_steps)
+        return None
+    from gradpatch.settings import EXAMPLE, PREFIX, budget_bytes, is_budget
+
+    text = checkpoint_steps.strip()
+    if not is_budget(text):
+        raise TypeError(f"checkpoint_steps must be True or False, or a string 'budget:<size>' ({EXAMPLE!r}), "
+                        f"not {checkpoint_steps!r} (str)")
+    try:
+        return budget_bytes(PREFIX + text[len(PREFIX):].strip())
+    except ValueError as error:
+        raise ValueError(f"checkpoint_steps={checkpoint_steps!r}: {error}") from None
+
+
+def sampling_options(cache: bool, grad_steps: int | None, checkpoint_steps: bool | str) -> SamplingOptions:
+    """Validate the keywords a patched sampler received: ``cache`` a boolean, ``checkpoint_steps`` a
+    boolean or ``"budget:<size>"``, ``grad_steps`` None or a positive integral number (see
+    :class:`SamplingOptions`)."""
     check_flag("cache", cache)
-    check_flag("checkpoint_steps", checkpoint_steps)
+    budget = step_budget(checkpoint_steps)
     if cache and (grad_steps is not None or checkpoint_steps):
         raise ValueError("grad_steps and checkpoint_steps control the graph built with cache=False; "
                          "with cache=True no graph is built. Pass cache=False as well.")
-    return SamplingOptions(grad_steps, bool(checkpoint_steps))
+    return SamplingOptions(grad_steps, bool(checkpoint_steps), budget)
 
 
 def swallowed_keywords(function: Callable[..., Any]) -> frozenset[str] | None:

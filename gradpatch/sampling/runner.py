@@ -26,9 +26,14 @@ options bound that (used with ``cache=False``):
 * ``checkpoint_steps=True``: each denoiser evaluation is recomputed during backward instead of stored
   (non-reentrant :func:`torch.utils.checkpoint.checkpoint`, which replays the RNG, so dropout agrees),
   so saved memory grows by about one latent per step instead of one set of activations, at the cost of
-  a second forward per evaluation. Gradients equal the plain run's. The recompute happens after the
+  a second forward per evaluation (:mod:`gradpatch.sampling._step_checkpoint`: gradpatch's block
+  checkpoints inside an evaluation run plainly, so nothing is recomputed twice). Gradients equal the
+  plain run's. The recompute happens after the
   call returned; it re-enters the call's shadows (:meth:`SamplingRun.active`), so it too sees caches
   off. Never wrap a scheduler's ``step`` this way: schedulers keep state a recompute would advance twice.
+* ``checkpoint_steps="budget:<size>"``: keep the graphs of as many evaluations as fit in ``<size>``
+  bytes (``"budget:512MiB"``), measured per evaluation, and recompute the others
+  (:mod:`gradpatch.sampling._step_budget`). Gradients equal the plain run's.
 
 ODE samplers (F5-TTS, E2-TTS) call ``torchdiffeq.odeint(fn, y0, t, ...)`` through a module global. For
 a ``cache=False`` call with either option, :func:`differentiable_sampler` shadows that global with
@@ -54,6 +59,7 @@ from typing import Any, Callable, ContextManager, Iterator, TypeVar
 import torch
 import torch.utils.checkpoint
 
+from gradpatch.sampling import _step_checkpoint
 from gradpatch.sampling.options import (OPTIONS, SamplingOptions, check_flag, check_keywords,  # noqa: F401
                                      note_cached_call, sampling_options, swallowed_keywords)
 
@@ -72,6 +78,7 @@ class SamplingRun:
 
     options: SamplingOptions
     evaluations: int = 0
+    budget: Any = field(default=None, repr=False)  # checkpoint_steps="budget:<size>": a StepBudget
     cut: bool = False  # grad_steps: grad is off from the first step until step N-K-1 ends
     scopes: list[Callable[[], ContextManager[Any]]] = field(default_factory=list, repr=False)
 
@@ -257,7 +264,12 @@ def run_step(step: int, total: int, fn: Callable[..., T], *args: Any, **kwargs: 
             with run.active():
                 return fn(*args, **kwargs)
 
-        return torch.utils.checkpoint.checkpoint(replay, *args, use_reentrant=False, **kwargs)  # type: ignore[return-value]
+        if options.step_budget is not None:
+            from gradpatch.sampling import _step_budget
+
+            run.budget = run.budget or _step_budget.StepBudget(options.step_budget)
+            return _step_budget.evaluate(run.budget, replay, args, kwargs)
+        return _step_checkpoint.checkpoint(replay, *args, **kwargs)
     return fn(*args, **kwargs)
 
 
@@ -310,7 +322,7 @@ def _with_keywords(signature: inspect.Signature) -> inspect.Signature:
     params = list(signature.parameters.values())
     extra = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)
              for name, default, annotation in (("cache", True, "bool"), ("grad_steps", None, "int | None"),
-                                               ("checkpoint_steps", False, "bool"))]
+                                               ("checkpoint_steps", False, "bool | str"))]
     at = next((i for i, p in enumerate(params) if p.kind is inspect.Parameter.VAR_KEYWORD), len(params))
     return signature.replace(parameters=params[:at] + extra + params[at:])
 

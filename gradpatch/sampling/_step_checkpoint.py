@@ -1,0 +1,173 @@
+"""The recompute of one sampler step's denoiser evaluation (``checkpoint_steps``): a non-reentrant
+checkpoint with one Python object per evaluation and an integer per saved tensor.
+
+``torch.utils.checkpoint(use_reentrant=False)`` is general: a holder object, weak-reference maps and
+dynamo-disabled hooks per saved tensor, device and RNG bookkeeping per call. A sampler step saves
+about a hundred tensors of a small model on every evaluation, so on tiny and medium models that
+bookkeeping cost as much as the recompute itself (``benchmarks/sampler_steps.py``: 1.7-2.2x the plain
+call where recomputing once should cost 1.4-1.5x). Here the forward's pack hook returns the saved
+tensor's position (``next`` of a counter: no Python frame), the unpack hook is the evaluation's
+(:class:`_Frame`); the first unpack in backward recomputes the
+evaluation once under the forward's RNG state (CPU, and the CUDA devices of the inputs) and autocast
+state, keeping the tensors the recompute saves, in order; each unpack then takes its own. A second
+backward through the same graph (``retain_graph=True``) recomputes again.
+
+What it supports: everything the evaluation itself does under grad, dropout included (the RNG is
+replayed), ``torch.autograd.grad`` and ``backward``, inputs and closed-over tensors alike (the graph
+outside the evaluation is untouched: only saved tensors are recomputed). What breaks: an evaluation
+whose recompute saves a different number of tensors than its forward (a cache that filled during the
+forward) raises RuntimeError in backward rather than pair tensors wrongly. Backward with
+``create_graph=True`` keeps the recomputed tensors' graph, so higher-order gradients flow.
+
+Nested checkpoints. Blocks checkpointed by gradpatch's fixed checkpoint inside the evaluation
+(CompVis/AudioLDM transformer blocks default to ``checkpoint=True``; ``use_checkpoint=True`` UNets)
+run plainly in the forward and the recompute (policy ``"never"`` in this context): the forward saves
+nothing anyway, and their own recompute would run them a third time. The recompute then holds the
+evaluation's activations, as a plain forward of one step does, until backward has used them.
+``torch.utils.checkpoint`` called directly inside the evaluation (diffusers' gradient checkpointing)
+still recomputes its blocks a second time.
+
+``FLAT = False`` uses ``torch.utils.checkpoint`` instead (the implementation before; benchmarks compare).
+"""
+from __future__ import annotations
+
+import functools
+import itertools
+from typing import Any, Callable, TypeVar
+
+import torch
+import torch.utils.checkpoint
+from torch.multiprocessing.reductions import StorageWeakRef
+
+T = TypeVar("T")
+
+FLAT = True
+"""Use this module's checkpoint; False: ``torch.utils.checkpoint(use_reentrant=False)``."""
+
+
+def _cuda_devices(args: tuple, kwargs: dict) -> list[int]:
+    if not torch.cuda.is_initialized():
+        return []
+    return sorted({v.get_device() for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor) and v.is_cuda})
+
+
+class _Frame:
+    """One evaluation: what its recompute needs, and the recomputed tensors while backward uses them."""
+
+    __slots__ = ("fn", "args", "kwargs", "rng", "devices", "cuda_rng", "autocast", "counter", "count", "values",
+                 "left", "seen", "pack")
+
+    def __init__(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+        self.fn, self.args, self.kwargs, self.count = fn, args, kwargs, None  # type: int | None
+        self.counter = itertools.count()
+        # The forward's pack hook: the saved tensor's position, from C (no Python frame per tensor).
+        self.pack: Callable[[torch.Tensor], int] = functools.partial(next, self.counter)  # type: ignore[arg-type]
+        self.rng = torch.get_rng_state()
+        self.devices = _cuda_devices(args, kwargs)
+        self.cuda_rng = [torch.cuda.get_rng_state(d) for d in self.devices]
+        self.autocast = [(device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+                         for device in ("cpu", "cuda") if torch.is_autocast_enabled(device)]
+        self.values: list[torch.Tensor | None] | None = None
+        self.left = 0
+        self.seen: dict[Any, tuple[Any, int]] | None = None  # measured: storage -> (weak ref, bytes)
+
+    def measuring_pack(self, tensor: torch.Tensor) -> int:
+        """The pack hook of :func:`measured`: the position, and the storage noted (once; an address
+        freed and reused is a new storage)."""
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        entry = self.seen.get(key)  # type: ignore[union-attr]
+        if entry is None or entry[0].expired():
+            if entry is not None:
+                self.seen[(key, len(self.seen))] = entry  # type: ignore[index, arg-type]
+            self.seen[key] = (StorageWeakRef(storage), storage.nbytes())  # type: ignore[index]
+        return next(self.counter)
+
+    def unpack(self, index: int) -> torch.Tensor:
+        values = self.values
+        if values is None or values[index] is None:
+            self.recompute()
+            values = self.values
+            assert values is not None
+        tensor, values[index] = values[index], None  # each saved tensor is unpacked once per backward
+        self.left -= 1
+        if not self.left:
+            self.values = None  # all used: a later backward (retain_graph=True) recomputes
+        assert tensor is not None
+        return tensor
+
+    def recompute(self) -> None:
+        if self.count is None:  # the forward is over: what it saved
+            self.count = next(self.counter)
+        values: list[torch.Tensor | None] = []
+        keep_graph = torch.is_grad_enabled()  # backward(create_graph=True): higher-order gradients
+
+        def pack(tensor: torch.Tensor) -> None:
+            values.append(tensor if keep_graph else tensor.detach())
+
+        with torch.random.fork_rng(devices=self.devices, enabled=True, device_type="cuda"):
+            torch.set_rng_state(self.rng)
+            for device, state in zip(self.devices, self.cuda_rng):
+                torch.cuda.set_rng_state(state, device)
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, _never):
+                with _autocast(self.autocast), _inner_plain():
+                    self.fn(*self.args, **self.kwargs)
+        if len(values) != self.count:
+            raise RuntimeError(f"checkpoint_steps: a denoiser evaluation saved {self.count} tensors for backward "
+                               f"in the forward and {len(values)} when recomputed in backward: it does not run the "
+                               "same way twice (a cache filled in the forward?); use checkpoint_steps=False")
+        self.values, self.left = values, len(values)
+
+
+class _autocast:
+    def __init__(self, states: list) -> None:
+        self.contexts = [torch.autocast(device, dtype=dtype) for device, _, dtype in states]
+
+    def __enter__(self) -> None:
+        for context in self.contexts:
+            context.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        for context in reversed(self.contexts):
+            context.__exit__(*exc)
+
+
+def _never(packed: Any) -> torch.Tensor:
+    raise RuntimeError("checkpoint_steps: a tensor saved during a recompute was unpacked")
+
+
+def checkpoint(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """``fn(*args, **kwargs)`` with its saved tensors recomputed in backward (module docstring)."""
+    if not FLAT:
+        return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, **kwargs)  # type: ignore[return-value]
+    frame = _Frame(fn, args, kwargs)
+    with torch.autograd.graph.saved_tensors_hooks(frame.pack, frame.unpack), _inner_plain():
+        return fn(*args, **kwargs)
+
+
+def _inner_plain() -> Any:
+    """gradpatch's fixed checkpoints inside the evaluation run their blocks plainly: the step is
+    recomputed as a whole, so a block checkpoint inside it would recompute a second time."""
+    from gradpatch.settings import scope
+
+    return scope(checkpoint_policy="never")
+
+
+def measured(fn: Callable[..., T], *args: Any, **kwargs: Any) -> tuple[T, int]:
+    """:func:`checkpoint`, and the bytes keeping the evaluation's graph would have added: those of the
+    storages it saved for backward that were freed when it returned (as
+    :mod:`gradpatch.checkpointing._measure` counts a block's own bytes). Storages still alive (the
+    inputs, parameters, the output) cost nothing more when kept, and each storage counts once."""
+    frame = _Frame(fn, args, kwargs)
+    frame.seen = {}
+    with torch.autograd.graph.saved_tensors_hooks(frame.measuring_pack, frame.unpack), _inner_plain():
+        out = fn(*args, **kwargs)
+    seen, frame.seen = frame.seen, None
+    return out, sum(size for ref, size in seen.values() if ref.expired())
+
+
+def kept(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """``fn(*args, **kwargs)``, its graph kept, with gradpatch's block checkpoints inside it plain as in
+    :func:`measured` (so it keeps what was measured)."""
+    with _inner_plain():
+        return fn(*args, **kwargs)
