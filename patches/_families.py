@@ -112,7 +112,7 @@ FLOW_MATCHING = Family(
 F5_SAMPLE = Family(
     "f5_cfm_sample",
     members=(Member("CFM.sample", FunctionShape(("self", "cond", "text", "duration")),
-                    "gradpatch.sampling.runner:differentiable_sampler",
+                    "gradpatch.sampling.ode_sampler:differentiable_sampler",
                     "CFM.sample(cache=False): gradients through the ODE solve, caller's mode kept; grad_steps, "
                     "checkpoint_steps"),),
     fingerprints=((("CFM.sample",), {

@@ -17,7 +17,7 @@ Fingerprints cover every PyPI release (25 distinct ``sample`` definitions); the 
 from gradpatch.patching.fingerprint import Fingerprints, has_parameter
 from gradpatch.patching.registry import Patch
 
-_SAMPLING = "gradpatch.sampling.runner"
+_SAMPLING = "gradpatch.sampling.ode_sampler"
 
 SAMPLE = Fingerprints(
     known={

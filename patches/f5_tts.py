@@ -32,7 +32,7 @@ recorded; they are meant for inference, and patching them would mean replacing t
 from gradpatch.patching.fingerprint import Fingerprints, has_parameter
 from gradpatch.patching.registry import Patch
 
-_SAMPLING = "gradpatch.sampling.runner"
+_SAMPLING = "gradpatch.sampling.ode_sampler"
 
 SAMPLE = Fingerprints(
     known={

@@ -37,7 +37,7 @@ from conftest import (BackgroundCheck, Interleaved, assert_grads_equal, pypi_rel
                       upstream_method)
 from gradpatch.testing import f5_cfm, f5_inputs  # noqa: E402
 from gradpatch.patching.fingerprint import fingerprint_module, fingerprint_source  # noqa: E402
-from gradpatch.sampling import runner as sampling  # noqa: E402
+from gradpatch.sampling import ode_sampler, runner as sampling  # noqa: E402
 from gradpatch.patching.activation import known_patches  # noqa: E402
 
 from f5_tts.model import CFM, DiT, MMDiT, UNetT  # noqa: E402
@@ -131,7 +131,7 @@ def test_report_signature_and_revert():
         for name, default in [("cache", True), ("grad_steps", None), ("checkpoint_steps", False)]:
             assert params[name].kind is inspect.Parameter.KEYWORD_ONLY and params[name].default == default
         assert inspect.unwrap(CFM.sample) is RAW and CFM.sample.__wrapped__ is original_sample
-        assert sampling.differentiable_sampler(original_sample) is not sampling.differentiable_sampler(original_sample)
+        assert ode_sampler.differentiable_sampler(original_sample) is not ode_sampler.differentiable_sampler(original_sample)
     assert CFM.__dict__["sample"] is original_sample and cfm_module.odeint is original_odeint
 
 

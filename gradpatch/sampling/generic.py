@@ -26,8 +26,8 @@ from gradpatch.sampling import _gradoff
 from gradpatch.sampling._inplace import CopyOnWrite
 from gradpatch.sampling._values import clean as _clean, codes as _codes, describe as _describe, tensors as _tensors
 from gradpatch.sampling.options import note_cached_call
-from gradpatch.sampling.runner import (SamplingRun, _shadow, _with_keywords, run_step, sampling_options,
-                                      stepped_odeint)
+from gradpatch.sampling.ode_sampler import stepped_odeint
+from gradpatch.sampling.runner import SamplingRun, _shadow, _with_keywords, run_step, sampling_options
 
 _UNSET: Any = object()
 
@@ -80,7 +80,7 @@ class Sampler:
 
     def ode(self) -> bool:
         """Whether ``step`` is torchdiffeq's ``odeint`` as the sampler's module names it: then the solver
-        numbers the steps (:func:`~gradpatch.sampling.runner.stepped_odeint`) and ``t`` gives N."""
+        numbers the steps (:func:`~gradpatch.sampling.ode_sampler.stepped_odeint`) and ``t`` gives N."""
         module = sys.modules.get(getattr(self.fn, "__module__", None) or "")
         step = vars(module).get(self.step) if isinstance(self.step, str) and module is not None else self.step
         return str(getattr(step, "__module__", "")).startswith("torchdiffeq") and callable(step)
