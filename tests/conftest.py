@@ -32,6 +32,26 @@ def last_json(result: subprocess.CompletedProcess) -> object:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+#: A block that checkpoints its body through ``{module}``'s OpenAI/CompVis ``checkpoint``, as upstream
+#: blocks do (written next to copies of that code in import tests).
+CHECKPOINTED_BLOCK = '''
+import torch
+from torch import nn
+from {module} import checkpoint
+
+
+class Block(nn.Module):
+    def __init__(self, dim=8):
+        super().__init__()
+        self.norm, self.proj, self.out = nn.LayerNorm(dim), nn.Linear(dim, dim), nn.Linear(dim, dim)
+
+    def forward(self, x):
+        return checkpoint(self._forward, (x,), self.parameters(), True)
+
+    def _forward(self, x):
+        return x + self.out(torch.relu(self.proj(self.norm(x))))
+'''
+
 FAKE_UTIL = '''
 def checkpoint(x):
     """A stand-in for a known-broken function."""
@@ -233,6 +253,18 @@ def upstream_method(cls: type, name: str) -> object:
     while getattr(method, "__module__", "").startswith("gradpatch"):
         method = method.__wrapped__
     return method
+
+
+def assert_grads_close(got, want, rtol: float = 1e-4) -> None:
+    """Two sequences of gradients (``None`` where a tensor got none): ``None`` in the same places, and
+    the others equal to ``rtol``, near-zero entries against a floor scaled to the largest gradient."""
+    import torch
+
+    assert [g is None for g in got] == [w is None for w in want]
+    floor = 1e-6 * max(w.abs().max().item() for w in want if w is not None)
+    for g, w in zip(got, want):
+        if w is not None:
+            torch.testing.assert_close(g, w, rtol=rtol, atol=floor)
 
 
 def assert_grads_equal(got, want) -> None:

@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("denoising_diffusion_pytorch")
 
 import gradpatch  # noqa: E402
-from conftest import upstream_method  # noqa: E402
+from conftest import assert_grads_close, upstream_method  # noqa: E402
 from gradpatch.testing import reinit_zero_weights  # noqa: E402
 
 pytestmark = [pytest.mark.upstream_wave, pytest.mark.usefixtures("single_thread")]
@@ -94,11 +94,7 @@ def test_sample_gradients_equal_the_hand_fixed_code(one_d: bool, sampling: int, 
     torch.manual_seed(0)
     with _hand_fixed(cls, sampling - options.get("grad_steps", sampling)):
         want = _grads(model.sample(batch_size=1), model)
-    assert [g is None for g in got] == [w is None for w in want]
-    floor = 1e-6 * max(w.abs().max().item() for w in want if w is not None)
-    for g, w in zip(got, want):
-        if w is not None:
-            torch.testing.assert_close(g, w, rtol=1e-4, atol=floor)
+    assert_grads_close(got, want)
     if not options:
         assert sum(w is not None and bool(w.any()) for w in want) > 0.7 * len(want)
 

@@ -19,27 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import last_json, run_python
+from conftest import CHECKPOINTED_BLOCK as BLOCK, last_json, run_python
 
 pytestmark = pytest.mark.slow
-
-BLOCK = '''
-import torch
-from torch import nn
-from {module} import checkpoint
-
-
-class Block(nn.Module):
-    def __init__(self, dim=8):
-        super().__init__()
-        self.norm, self.proj, self.out = nn.LayerNorm(dim), nn.Linear(dim, dim), nn.Linear(dim, dim)
-
-    def forward(self, x):
-        return checkpoint(self._forward, (x,), self.parameters(), True)
-
-    def _forward(self, x):
-        return x + self.out(torch.relu(self.proj(self.norm(x))))
-'''
 
 PRELUDE = '''
 import importlib, json, sys, warnings

@@ -13,27 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import last_json, run_python
+from conftest import CHECKPOINTED_BLOCK as BLOCK, last_json, run_python
 
 pytestmark = pytest.mark.slow
-
-BLOCK = '''
-import torch
-from torch import nn
-from {package}.util import checkpoint
-
-
-class Block(nn.Module):
-    def __init__(self, dim=8):
-        super().__init__()
-        self.norm, self.proj, self.out = nn.LayerNorm(dim), nn.Linear(dim, dim), nn.Linear(dim, dim)
-
-    def forward(self, x):
-        return checkpoint(self._forward, (x,), self.parameters(), True)
-
-    def _forward(self, x):
-        return x + self.out(torch.relu(self.proj(self.norm(x))))
-'''
 
 # One statement of CheckpointFunction.forward changed: not a version gradpatch knows.
 CHANGED = ("ctx.input_params = list(args[length:])",
@@ -102,7 +84,7 @@ def forks(tmp_path_factory) -> Path:
         (root / package).mkdir()
         (root / package / "__init__.py").write_text("")
         (root / package / "util.py").write_bytes(util)
-        (root / package / "block.py").write_text(BLOCK.format(package=package))
+        (root / package / "block.py").write_text(BLOCK.format(module=f"{package}.util"))
     (root / "reboundfork" / "fast.py").write_text(FAST)
     (root / "unrelated.py").write_text(UNRELATED)
     return root

@@ -16,6 +16,7 @@ torch = pytest.importorskip("torch")
 
 from gradpatch.patching.activation import known_patches  # noqa: E402
 from gradpatch.patching.hooks import resolve  # noqa: E402
+from conftest import assert_grads_close  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 C, H = 2, 4
@@ -145,10 +146,6 @@ def test_declared_fixes_give_the_hand_fixed_gradients(patched, options):
     torch.manual_seed(3)
     first = engine.sampler.num_steps - options["grad_steps"] if "grad_steps" in options else -1
     want = _grads(reference(engine, cond, uc, first), engine, cond)
-    assert [g is None for g in got] == [w is None for w in want]
-    floor = 1e-6 * max(w.abs().max().item() for w in want if w is not None)
-    for g, w in zip(got, want):
-        if w is not None:
-            torch.testing.assert_close(g, w, rtol=1e-4, atol=floor)
+    assert_grads_close(got, want)
     if not options:
         assert all(w.any() for w in want if w is not None) and want[0] is not None

@@ -45,17 +45,19 @@ def clean(out: Any) -> Any:
     return out
 
 
-def tensors(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
+def tensors(obj: Any, depth: int = 0, *, modules: bool = True) -> Iterator[torch.Tensor]:
+    """The tensors in ``obj`` and its tuples, lists and dicts (three levels down), and with ``modules``
+    the parameters of the modules among them."""
     if isinstance(obj, torch.Tensor):
         yield obj
-    elif isinstance(obj, torch.nn.Module):
+    elif modules and isinstance(obj, torch.nn.Module):
         yield from obj.parameters()
     elif depth < 3 and isinstance(obj, (tuple, list)):
         for item in obj:
-            yield from tensors(item, depth + 1)
+            yield from tensors(item, depth + 1, modules=modules)
     elif depth < 3 and isinstance(obj, dict):
         for item in obj.values():
-            yield from tensors(item, depth + 1)
+            yield from tensors(item, depth + 1, modules=modules)
 
 
 def describe(out: Any) -> str:

@@ -14,21 +14,12 @@ from untainted tensors keeps its graph.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-
-def tensors(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif depth < 3 and isinstance(obj, (tuple, list)):
-        for item in obj:
-            yield from tensors(item, depth + 1)
-    elif depth < 3 and isinstance(obj, dict):
-        for item in obj.values():
-            yield from tensors(item, depth + 1)
+from gradpatch.sampling._values import tensors as _all_tensors
 
 
 _IN_PLACE = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
@@ -44,7 +35,7 @@ class Window(TorchFunctionMode):
         self.taint(tainted)
 
     def taint(self, obj: Any) -> None:
-        for tensor in tensors(obj):
+        for tensor in _all_tensors(obj, modules=False):
             self.tainted[id(tensor)] = weakref.ref(tensor)
 
     def _is_tainted(self, tensor: torch.Tensor) -> bool:
@@ -53,7 +44,7 @@ class Window(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if not any(self._is_tainted(t) for t in tensors((args, kwargs), -1)):
+        if not any(self._is_tainted(t) for t in _all_tensors((args, kwargs), -1, modules=False)):
             return func(*args, **kwargs)
         name = getattr(func, "__name__", "")
         target = args[0] if args else None
