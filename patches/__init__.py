@@ -26,6 +26,7 @@ MODULES = (
     "cosyvoice",
     "voxcpm",
     "denoising_diffusion_pytorch",
+    "imagen",
     "diffsinger",
     "tango",
 )

@@ -126,14 +126,34 @@ def _nested(code: object, node: ast.AST) -> object | None:
 
 
 def _unwrapped(obj: object, layers: int) -> list[object]:
-    """``obj`` and what up to ``layers`` decorators made of it (staticmethod, functools.wraps...)."""
+    """``obj`` and what up to ``layers`` decorators made of it (staticmethod, functools.wraps..., and a
+    wrapper that is not ``wraps``-based but closes over exactly one function, e.g. imagen's
+    ``eval_decorator``: that function)."""
     found = [obj]
     for _ in range(layers):
-        obj = next((getattr(obj, a) for a in ("__func__", "__wrapped__", "fget") if hasattr(obj, a)), None)
+        obj = next((getattr(obj, a) for a in ("__func__", "__wrapped__", "fget") if hasattr(obj, a)), None) \
+            or _closed_over(found[-1])
         if obj is None:
             break
         found.append(obj)
     return found
+
+
+def _closed_over(wrapper: object) -> object | None:
+    """The one function a wrapper's closure holds, or ``None`` (no closure, or several functions)."""
+    import types
+
+    cells = [c.cell_contents for c in getattr(wrapper, "__closure__", None) or () if _filled(c)]
+    functions = [value for value in cells if isinstance(value, types.FunctionType)]
+    return functions[0] if len(functions) == 1 else None
+
+
+def _filled(cell: object) -> bool:
+    try:
+        cell.cell_contents  # type: ignore[attr-defined]
+    except ValueError:  # an empty cell
+        return False
+    return True
 
 
 def _defines(obj: object, node: ast.AST, code: object, module: ModuleType) -> bool:

@@ -157,6 +157,18 @@ def _modes_kept(objects: list[Any]) -> Iterator[None]:
     finally:
         for module, flag in flags:
             module.training = flag
+        for root in {id(o): o for o in objects if isinstance(o, torch.nn.Module)}.values():
+            _new_children_follow(root, modules)
+
+
+def _new_children_follow(parent: Any, known: dict[int, Any]) -> None:
+    """A module the call attached to the caller's tree (imagen rebuilds ``self.unets`` each call) takes
+    its parent's mode, as the caller's ``train()``/``eval()`` would have given it: the sampler's own
+    ``train()`` calls were no-ops during the call."""
+    for child in parent.children():
+        if id(child) not in known:
+            child.training = parent.training
+        _new_children_follow(child, known)
 
 
 def call(sampler: Sampler, original: Callable[..., Any], args: tuple, kwargs: dict, owner: Any,
@@ -236,7 +248,9 @@ def _generator(gen: Any, entered: Callable[[], Any], stack: contextlib.ExitStack
 def make(fn: Callable[..., Any], step: Any = None, steps: Any = None, *, cache: bool = False,
          where: str | None = None) -> Callable[..., Any]:
     """A callable taking ``cache`` (default ``cache``), ``grad_steps``, ``checkpoint_steps`` around ``fn``
-    (a function or a bound method); as a class attribute it binds like ``fn`` (a plain function)."""
+    (a function or a bound method); as a class attribute it binds like ``fn`` (a plain function), and
+    its first argument is then the sampler's object even when a decorator's signature does not call it
+    ``self`` (imagen's ``eval_decorator``: ``inner(model, *args, **kwargs)``)."""
     owner = getattr(fn, "__self__", None)
     where = where or getattr(fn, "__qualname__", repr(fn))
     sampler = Sampler(fn, step, steps, where)
@@ -252,8 +266,9 @@ def make(fn: Callable[..., Any], step: Any = None, steps: Any = None, *, cache: 
             if flag:
                 note_cached_call(where, owner if owner is not None else (args[0] if args else None))
             return fn(*args, **kwargs)  # upstream's call (inside another call: its constructs are inert already)
-        this = owner if owner is not None else (args[0] if args and "self" in (sampler.signature.parameters
-                                                                               if sampler.signature else ()) else None)
+        this = owner if owner is not None else (args[0] if args and ("self" in (
+            sampler.signature.parameters if sampler.signature else ()) or _method_of(differentiable, args[0]))
+            else None)
         return call(sampler, fn, args, kwargs, this, grad_steps, checkpoint_steps)
 
     if sampler.signature is not None:
@@ -262,6 +277,11 @@ def make(fn: Callable[..., Any], step: Any = None, steps: Any = None, *, cache: 
                         for p in _with_keywords(sampler.signature).parameters.values()])
     differentiable.__wrapped__ = fn  # type: ignore[attr-defined]
     return differentiable
+
+
+def _method_of(function: Any, obj: Any) -> bool:
+    """Whether ``function`` is an attribute of ``obj``'s class (called as ``obj.method(...)``)."""
+    return any(any(value is function for value in vars(k).values()) for k in type(obj).__mro__)
 
 
 def patched(original: Any, step: Any = None, steps: Any = None, *, where: str = "") -> Any:
