@@ -29,4 +29,5 @@ MODULES = (
     "imagen",
     "diffsinger",
     "tango",
+    "audiolcm",
 )
