@@ -94,6 +94,29 @@ def test_a_wrapper_installed_on_the_target_is_unknown(load):
     assert identify(module, "Model.sample", over=(), known=SAMPLE).verdict == "unknown"
 
 
+def test_a_decorator_closing_over_one_function_is_seen_through(load):
+    """imagen-pytorch's ``eval_decorator`` is not ``functools.wraps``-based: its ``inner`` holds the
+    function in its closure. One layer per decorator still: a later wrapper of the same kind is unknown."""
+    source = textwrap.dedent('''
+        def keep_mode(fn):
+            def inner(model, *args):
+                return fn(model, *args)
+            return inner
+
+
+        class Model:
+            @keep_mode
+            def sample(self, x):
+                return x - 1
+    ''')
+    module = load(source)
+    known = {fingerprint_source(source, ["Model.sample"]): "known sample"}
+    assert identify(module, "Model.sample", over=(), known=known).verdict == "known"
+    sample = vars(module.Model)["sample"]
+    module.Model.sample = module.keep_mode(sample)
+    assert identify(module, "Model.sample", over=(), known=known).verdict == "unknown"
+
+
 @pytest.mark.parametrize("rebinding, file_looks_known", [
     ("if True:\n    checkpoint = traced(checkpoint)\n", True),
     ("try:\n    from functools import reduce as checkpoint\nexcept ImportError:\n    pass\n", True),

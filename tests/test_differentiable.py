@@ -123,6 +123,27 @@ def test_eval_inside_the_sampler_keeps_the_callers_modes(cls):
     assert model.training and model.model.training and not model.model.drop.training
 
 
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_a_module_the_sampler_attaches_takes_its_parents_mode(training):
+    """imagen's ``sample`` rebuilds ``self.unets = nn.ModuleList([*self.unets])`` inside its
+    ``eval_decorator`` (whose ``train(was_training)`` then sets the new container's mode): with that
+    call inert, the new container takes its parent's mode, and the sampler's object is found although
+    the decorator's signature names it ``model``, not ``self``, and is patched as a class attribute."""
+
+    class Cascade(fs.Imagen):
+        @torch.no_grad()
+        @fs.eval_decorator
+        def sample(self, x, mu, steps=3):
+            self.stages = torch.nn.ModuleList([self.model])
+            return self.p_sample_loop(x, mu, steps)
+
+    model = make(Cascade).train(training)
+    Cascade.sample = gradpatch.differentiable(vars(Cascade)["sample"])
+    x, mu = inputs()
+    assert Cascade.sample(model, x, mu).requires_grad
+    assert all(m.training is training for m in model.modules())
+
+
 def test_buffers_refilled_and_state_updated_in_place():
     model = make(fs.Buffers)
     noise, mu = inputs()
