@@ -141,6 +141,16 @@ def test_stage_gradients_equal_the_hand_fixed_code(options: dict) -> None:
         assert sum(w is not None and bool(w.any()) for w in want) > 0.7 * len(want)
 
 
+def test_step_options_are_per_stage_and_a_changed_count_raises() -> None:
+    model = _model()
+    with gradpatch.applied("imagen_pytorch"):
+        with pytest.raises(ValueError, match=r"Imagen\.sample\): grad_steps and checkpoint_steps need step="):
+            model.sample(text_embeds=_embeds(), use_tqdm=False, cache=False, grad_steps=1)
+        with pytest.raises(RuntimeError, match="step was called 2 times, but steps says 3"):
+            _stage(model, cache=False, grad_steps=1, skip_steps=1)
+        assert _stage(model, cache=False, checkpoint_steps=True, skip_steps=1).requires_grad
+
+
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
 def test_the_callers_mode_holds(training: bool) -> None:
     model = _model().train(training)

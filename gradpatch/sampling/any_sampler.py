@@ -95,6 +95,7 @@ submodule of that name would rebind ``gradpatch.differentiable`` to the module.)
 """
 from __future__ import annotations
 
+import types
 from typing import Any, Callable
 from urllib.parse import quote, unquote
 
@@ -128,14 +129,38 @@ class _Fixes:
         def factory(original: object) -> object:
             from gradpatch.sampling.generic import patched
 
-            name = getattr(original, "__qualname__", None) or getattr(getattr(original, "__func__", None),
-                                                                      "__qualname__", repr(original))
-            return patched(original, step, steps, where=name)
+            return patched(original, step, steps, where=_name(original))
 
         return factory
 
 
 fix = _Fixes()
+
+
+def _name(original: object) -> str:
+    """The qualified name messages give: the decorated function's, through wrappers that copied a
+    decorator's inner name (``functools.wraps`` over imagen's ``eval_decorator.<locals>.inner``)."""
+    obj = getattr(original, "__func__", original)
+    name = getattr(obj, "__qualname__", None) or repr(original)
+    for _ in range(8):
+        if "<locals>" not in name:
+            break
+        inner = getattr(obj, "__wrapped__", None)
+        if inner is None:  # a wrapper that is not wraps-based: the one function its closure holds
+            cells = [_content(c) for c in getattr(obj, "__closure__", None) or ()]
+            functions = [f for f in cells if isinstance(f, types.FunctionType)]
+            inner = functions[0] if len(functions) == 1 else None
+        if inner is None:
+            break
+        obj, name = inner, getattr(inner, "__qualname__", name)
+    return name
+
+
+def _content(cell: object) -> object:
+    try:
+        return cell.cell_contents  # type: ignore[attr-defined]
+    except ValueError:  # an empty cell
+        return None
 
 
 class Requested:
