@@ -42,7 +42,8 @@ the patch's record. This is also how an unknown version of a catalogued target i
   through ``.detach()`` yourself if it must stay frozen.
 * The caller's own ``no_grad``/``inference_mode`` around the call is honoured (no graph).
 * ``self.eval()`` (any ``train()``) called by the sampler's code does nothing, and the train/eval flags
-  of the sampler's object and of ``step`` are put back on exit: the caller's modes hold.
+  of the sampler's object and of ``step`` are put back on exit: the caller's modes hold. A module the
+  call attaches to them (imagen rebuilds ``self.unets``) takes its parent's mode.
 * In-place writes (``x_in[:B] = x``, ``x += v * dt``) give the gradients of the out-of-place
   computation (:mod:`gradpatch.sampling._inplace`, copy on write of tensors saved for backward).
 * Inference tensors never leak out: they are cloned into normal tensors in what the call returns or
