@@ -1,7 +1,7 @@
 """The ``budget:<size>`` checkpoint policy: training-step time against saved activations.
 
 Run:  PYTHONPATH=. HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/checkpoint_budget.py [--quick]
-      [--device cuda]
+      [--model tiny|medium|audioldm] [--device cuda]
 
 On AudioLDM's real UNet (``benchmarks/checkpoint_speed.py`` builds it; CPU, one thread), every
 parameter trainable so that upstream V1 runs: V1, gradpatch's fixed checkpoint under ``respect``
