@@ -53,10 +53,10 @@ from gradpatch.checkpointing import budget as planner  # noqa: E402
 
 FRACTIONS = (0.25, 0.5, 0.75)
 # The real AudioLDM-S UNet (audioldm.utils.default_audioldm_config(): 8 latent channels,
-# channel_mult (1, 2, 3, 5), attention at 8/4/2, 2 ResBlocks a level, 32-channel heads, a 512-d FiLM condition)
-# with model_channels 128 -> 32 and nothing else changed, on 10 s of audio (8x256x16 latent), batch
-# 2, every block checkpointed (use_checkpoint=True; upstream's default checkpoints the transformer
-# blocks only).
+# channel_mult (1, 2, 3, 5), attention at 8/4/2, 2 ResBlocks a level, 32-channel heads, a 512-d
+# FiLM condition) with model_channels 128 -> 32 and nothing else changed, on 10 s of audio
+# (8x256x16 latent), batch 2, every block checkpointed (use_checkpoint=True; upstream's default
+# checkpoints the transformer blocks only).
 speed.MODELS["audioldm"] = (dict(speed.MODELS["audioldm-s"][0], model_channels=32,
                                  use_checkpoint=True), (8, 256, 16), 2)
 BASE = {"V1": speed.VARIANTS["V1"], "torch-NR": speed.VARIANTS["torch-NR"],
@@ -229,7 +229,8 @@ def curve(name: str, rounds: int, warmup: int, exhaustive: bool) -> None:
         for v, s in sizes.items()))
     live_gap = live["never"] - live["respect"]
     print(f"live storages after the forward (weak references): respect "
-          f"{live['respect'] / 2**20:.2f} MiB, never {live['never'] / 2**20:.2f} MiB (gap {live_gap / 2**20:.2f} MiB)")
+          f"{live['respect'] / 2**20:.2f} MiB, never {live['never'] / 2**20:.2f} MiB "
+          f"(gap {live_gap / 2**20:.2f} MiB)")
     print(f"{'variant':12} {'budget':>10} {'allocator':>10} {'/budget':>8} {'live':>10} "
           f"{'/budget':>8} {'plan says':>10} {'/allocator':>10} {'/live':>6} {'kept':>6}")
     for variant, size in sizes.items():
