@@ -1,7 +1,7 @@
 """The ``budget:<size>`` checkpoint policy: training-step time against saved activations.
 
 Run:  PYTHONPATH=. HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/checkpoint_budget.py [--quick]
-      [--device cuda]
+      [--model tiny|medium|audioldm] [--device cuda]
 
 On AudioLDM's real UNet (``benchmarks/checkpoint_speed.py`` builds it; CPU, one thread), every
 parameter trainable so that upstream V1 runs: V1, gradpatch's fixed checkpoint under ``respect``
@@ -12,10 +12,17 @@ greedy plan at 50%: blocks by forward time per byte they keep, as long as they f
 planner's byte counts ("greedy") and with naive ones ("naive": every saved tensor's size, views,
 inputs and parameters included, scaled to the same total).
 
-Each budget row reports the activation memory it keeps beyond ``respect`` against its budget. On
+Each budget row reports the activation memory it keeps beyond ``respect`` against its budget, by
+the allocator and by an independent measure (weak references to every storage an op returns during
+the forward, those still alive after it counted once each, parameters and buffers left out), next
+to what ``checkpoint_plan()`` says the kept blocks keep. On
 the tiny UNet every subset of kept blocks is also measured (allocator bytes and step time, all
 subsets and the plans interleaved in the same rounds): for each budget, the plan's step time over
 that of the fastest subset that fits, chosen on half of the rounds and compared on the other half.
+
+``--model audioldm``: the real AudioLDM-S UNet narrowed to ``model_channels=32`` (everything else as
+``audioldm.utils.default_audioldm_config()``; 10 s of audio, batch 2, every block checkpointed), a
+few seconds a step on one thread.
 
 Timing as in ``checkpoint_speed.py``: thread CPU time, variants interleaved in a fresh random order
 every round, medians and quartiles of per-round ratios.
@@ -34,6 +41,9 @@ import sys
 from typing import Callable
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import checkpoint_speed as speed  # noqa: E402
@@ -42,8 +52,48 @@ from gradpatch.checkpointing import checkpoint as fixed  # noqa: E402
 from gradpatch.checkpointing import budget as planner  # noqa: E402
 
 FRACTIONS = (0.25, 0.5, 0.75)
+# The real AudioLDM-S UNet (audioldm.utils.default_audioldm_config(): 8 latent channels,
+# channel_mult (1, 2, 3, 5), attention at 8/4/2, 2 ResBlocks a level, 32-channel heads, a 512-d
+# FiLM condition) with model_channels 128 -> 32 and nothing else changed, on 10 s of audio
+# (8x256x16 latent), batch 2, every block checkpointed (use_checkpoint=True; upstream's default
+# checkpoints the transformer blocks only).
+speed.MODELS["audioldm"] = (dict(speed.MODELS["audioldm-s"][0], model_channels=32,
+                                 use_checkpoint=True), (8, 256, 16), 2)
 BASE = {"V1": speed.VARIANTS["V1"], "torch-NR": speed.VARIANTS["torch-NR"],
         "never": speed.VARIANTS["never"], "respect": speed.VARIANTS["fixed"]}
+
+
+class _LiveStorages(TorchDispatchMode):
+    """Weak references to the storage of every tensor an op returns while it is active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refs: dict[int, tuple[StorageWeakRef, int]] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                ref = StorageWeakRef(storage)
+                self.refs.setdefault(ref.cdata, (ref, storage.nbytes()))
+        return out
+
+
+def live_bytes(model: torch.nn.Module, batch: tuple) -> int:
+    """The measure independent of the allocator: bytes of the storages created during the forward
+    that are still alive after it (its graph held through the output), each storage once, parameters
+    and buffers left out. The checkpoint's RNG state (made outside the dispatcher) is not seen."""
+    model.zero_grad(set_to_none=True)
+    own = {StorageWeakRef(t.untyped_storage()).cdata
+           for t in itertools.chain(model.parameters(), model.buffers())}
+    mode = _LiveStorages()
+    with mode:
+        out = speed.forward(model, batch)
+    alive = sum(size for key, (ref, size) in mode.refs.items()
+                if not ref.expired() and key not in own)
+    del out
+    return alive
 
 
 def budget_policy(size: int) -> str:
@@ -152,6 +202,12 @@ def curve(name: str, rounds: int, warmup: int, exhaustive: bool) -> None:
         if variant not in memory:
             with speed.use(variant):
                 memory[variant] = speed.saved_bytes(model, batch)
+    live, reported = {}, {}
+    for variant in ["respect", "never", *sizes]:
+        with speed.use(variant):
+            live[variant] = live_bytes(model, batch)
+            if variant in sizes:
+                reported[variant] = planner.checkpoint_plan(model)
     times = speed.interleaved(model, batch, list(speed.VARIANTS), rounds, warmup)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"\n== {name}: {n_params / 1e6:.1f}M params, {len(blocks)} checkpointed blocks, {rounds} "
@@ -171,6 +227,19 @@ def curve(name: str, rounds: int, warmup: int, exhaustive: bool) -> None:
         f"{v}: {sum(k for _, k, _ in planner._PLANNER.plans[s])} of {len(blocks)} kept, "
         f"{sum(a for _, k, a in planner._PLANNER.plans[s] if k) / 2**20:.2f} MiB estimated"
         for v, s in sizes.items()))
+    live_gap = live["never"] - live["respect"]
+    print(f"live storages after the forward (weak references): respect "
+          f"{live['respect'] / 2**20:.2f} MiB, never {live['never'] / 2**20:.2f} MiB "
+          f"(gap {live_gap / 2**20:.2f} MiB)")
+    print(f"{'variant':12} {'budget':>10} {'allocator':>10} {'/budget':>8} {'live':>10} "
+          f"{'/budget':>8} {'plan says':>10} {'/allocator':>10} {'/live':>6} {'kept':>6}")
+    for variant, size in sizes.items():
+        kept, alive = memory[variant] - memory["respect"], live[variant] - live["respect"]
+        plan = reported[variant]
+        print(f"{variant:12} {size / 2**20:7.2f}MiB {kept / 2**20:7.2f}MiB {kept / size:8.3f} "
+              f"{alive / 2**20:7.2f}MiB {alive / size:8.3f} {plan.kept_bytes / 2**20:7.2f}MiB "
+              f"{plan.kept_bytes / kept:10.3f} {plan.kept_bytes / alive:6.3f} "
+              f"{sum(not e.recomputed for e in plan):3}/{len(plan)}")
     median, low, high = speed.paired(times, "budget 50%", "greedy 50%")
     planned = {b: k for b, k, _ in planner._PLANNER.plans[sizes["budget 50%"]]}
     differ = sum(planned[b] != k for b, k in zip(blocks, greedy(blocks, sizes["budget 50%"])))
@@ -226,7 +295,7 @@ def gpu_curve(dtype: torch.dtype | None, rounds: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer rounds")
-    parser.add_argument("--model", choices=("tiny", "medium"), help="only this model")
+    parser.add_argument("--model", choices=("tiny", "medium", "audioldm"), help="only this model")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args = parser.parse_args()
     if args.device == "cuda":
@@ -238,10 +307,11 @@ def main() -> None:
     torch.set_num_threads(1)
     if args.quick:
         for name in [args.model] if args.model else ["tiny", "medium"]:
-            curve(name, 10 if name == "tiny" else 4, 1, exhaustive=name == "tiny")
+            curve(name, {"tiny": 10, "medium": 4}.get(name, 3), 1, exhaustive=name == "tiny")
         return
-    curve("tiny", 60, 3, exhaustive=True)
-    curve("medium", 20, 1, exhaustive=False)
+    for name in [args.model] if args.model else ["tiny", "medium", "audioldm"]:
+        curve(name, {"tiny": 60, "medium": 20}.get(name, 8), {"tiny": 3}.get(name, 1),
+              exhaustive=name == "tiny")
 
 
 if __name__ == "__main__":

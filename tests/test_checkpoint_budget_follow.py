@@ -91,6 +91,43 @@ def test_kept_bytes_match_memory_at_three_budgets(fraction):
     assert total == pytest.approx(never - respect, rel=0.02)
 
 
+@pytest.mark.parametrize("fraction", [0.25, 0.5, 0.75])
+def test_real_audioldm_unet_keeps_its_budget(fraction, monkeypatch):
+    """The tiny AudioLDM UNet (the real ``UNetModel``: 8 ResBlocks and 4 transformer blocks, every
+    one checkpointed, dropout on): the kept extra stays within the budget and ``checkpoint_plan()``
+    says it within 5%, whichever blocks the measured times choose. With every byte worth the same
+    time (seconds pinned to bytes: no timing), the plan fills at least 90% of the budget."""
+    from test_checkpoint_budget import allocated_after_forward
+    from test_checkpoint_upstream import TARGETS, build, install, step
+
+    target = TARGETS["audioldm"]
+    model, x = build(target, dropout=0.1).train(), torch.randn(2, 4, 16, 16)
+    install(monkeypatch, target, "fixed")
+
+    def kept(size: int) -> tuple[int, object]:
+        with gradpatch.checkpoint_policy_scope(f"budget:{size}"):
+            for _ in range(planner.TIMING_CALLS + 1):
+                step(model, target, x)
+            plan = planner.checkpoint_plan(model)
+            return allocated_after_forward(model, x) - respect, plan
+
+    with gradpatch.checkpoint_policy_scope("respect"):
+        respect = allocated_after_forward(model, x)
+    with gradpatch.checkpoint_policy_scope("never"):
+        never = allocated_after_forward(model, x)
+    size = int(fraction * (never - respect))
+    for pinned in (False, True):
+        planner.reset()
+        if pinned:
+            monkeypatch.setattr(planner._Block, "seconds", property(
+                lambda b: float(b.step_bytes) if b.measured and not b.opaque else 0.0))
+        extra_, plan = kept(size)
+        assert plan.complete and len(plan) == 12, plan
+        assert 0 < extra_ <= 1.05 * size, (extra_ / size, plan)
+        assert plan.kept_bytes == pytest.approx(extra_, rel=0.05), (extra_, plan)
+    assert extra_ >= 0.90 * size, (extra_ / size, plan)
+
+
 def test_gradual_unfreezing_is_measured_again():
     model, x = chain(6), torch.randn(64, 128)
     respect, never = extra(model, x, "respect"), extra(model, x, "never")
