@@ -14,7 +14,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import gradpatch
-from gradpatch.checkpointing import budget as planner
+from gradpatch.checkpointing import _block_key, budget as planner
 from gradpatch.checkpointing.checkpoint import checkpoint
 
 
@@ -176,17 +176,17 @@ def test_eval_train_and_autocast_switches_are_measured_again():
 
 def test_a_block_state_key_is_cheap_and_follows_registration():
     block = Block(8)
-    first = planner._state(block)
-    assert planner._state(block) == first
+    first = _block_key.state(block)
+    assert _block_key.state(block) == first
     block.linear.weight.requires_grad_(False)
-    assert planner._state(block) != first
+    assert _block_key.state(block) != first
     block.extra = torch.nn.Linear(2, 2)  # a new submodule: its parameters are listed again
-    assert planner._state(block)[1] == 0b1110
-    assert len(planner._PARAMS[block][1]) == 4
+    assert _block_key.state(block)[1] == 0b1110
+    assert len(_block_key._PARAMS[block][1]) == 4
     block.eval()
-    assert planner._state(block)[0] is False
+    assert _block_key.state(block)[0] is False
     block.double()
-    assert planner._state(block)[2] is torch.float64
+    assert _block_key.state(block)[2] is torch.float64
 
 
 def test_tradeoff_table_plot_and_cli(tmp_path, capsys):

@@ -51,11 +51,11 @@ import weakref
 from typing import Any, Callable
 
 import torch
-from torch import Tensor
 
 from gradpatch.checkpointing import _measure as _bytes
 from gradpatch.checkpointing import plan as budget
-from gradpatch.checkpointing._compat import autocast_dtype, autocast_enabled, is_compiling
+from gradpatch.checkpointing._block_key import signature, state
+from gradpatch.checkpointing._compat import is_compiling
 from gradpatch.checkpointing._budget_compile import watch as _watch_compilation
 from gradpatch.checkpointing._measure import _Measured, measure
 from gradpatch.checkpointing._paths import run as _checkpoint
@@ -220,7 +220,7 @@ def run(func: Callable[..., Any], args: tuple, kwargs: dict | None, policy: str)
     function = getattr(func, "__func__", None)
     if not isinstance(owner, torch.nn.Module) or function is None or is_compiling():
         return _checkpoint(func, args, kwargs)
-    block = _PLANNER.block(owner, (function, _state(owner), _signature(args, kwargs)))
+    block = _PLANNER.block(owner, (function, state(owner), signature(args, kwargs)))
     if _bytes._LIVE:  # measuring: which shared storages this call holds while it is recomputed
         _bytes.consumers(block, args if kwargs is None else (*args, *kwargs.values()))
     size = budget.budget_bytes(policy)
@@ -231,45 +231,6 @@ def run(func: Callable[..., Any], args: tuple, kwargs: dict | None, policy: str)
     if block.measured:
         return _checkpoint(func, args, kwargs)
     return measure(block, func, args, kwargs)
-
-
-def _signature(args: tuple, kwargs: dict | None) -> tuple:
-    values = args if kwargs is None else (*args, *kwargs.values())
-    return (autocast_enabled("cpu") and autocast_dtype("cpu"),
-            autocast_enabled("cuda") and autocast_dtype("cuda"),
-            *[(v.shape, v.dtype, v.device, v.requires_grad) if isinstance(v, Tensor) else None
-              for v in values])
-
-
-#: Each module's parameters as last listed, with the registration count they were listed at.
-_PARAMS: weakref.WeakKeyDictionary[torch.nn.Module, tuple[int, list[Tensor]]] = \
-    weakref.WeakKeyDictionary()
-_REGISTERED = [0]  # parameters and submodules registered anywhere (hooks installed on first use)
-_HOOKED: list[Any] = []
-
-
-def _registered(*args: Any) -> None:
-    _REGISTERED[0] += 1
-
-
-def _state(owner: torch.nn.Module) -> tuple:
-    """``owner``'s training mode, which of its parameters require grad (a bit mask), and their first
-    dtype: a few microseconds a call. The list of parameters is walked again only after a parameter or
-    a module was registered somewhere (torch's global registration hooks; where the installed torch
-    has none, at every call)."""
-    if not _HOOKED:
-        hooks = [getattr(torch.nn.modules.module, f"register_module_{kind}_registration_hook", None)
-                 for kind in ("parameter", "module")]
-        _HOOKED.extend(h(_registered) for h in hooks if h is not None)
-        _HOOKED.append(len(_HOOKED) == 2)
-    listed = _PARAMS.get(owner)
-    if listed is None or listed[0] != _REGISTERED[0] or not _HOOKED[-1]:
-        listed = _PARAMS[owner] = (_REGISTERED[0], list(owner.parameters()))
-    mask = 0
-    for i, p in enumerate(listed[1]):
-        if p.requires_grad:
-            mask |= 1 << i
-    return owner.training, mask, listed[1][0].dtype if listed[1] else None
 
 
 def checkpoint_plan(model: torch.nn.Module | None = None) -> Plan:
