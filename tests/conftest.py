@@ -52,6 +52,25 @@ class Block(nn.Module):
         return x + self.out(torch.relu(self.proj(self.norm(x))))
 '''
 
+#: Code for a fresh interpreter: ``step(block_module)`` runs a :data:`CHECKPOINTED_BLOCK` (``torch`` imported).
+BLOCK_STEP = '''
+def step(block_module):
+    """True if gradients through the block equal those of its body without checkpointing; else
+    upstream's error."""
+    block = block_module.Block()
+    block.norm.requires_grad_(False)
+    trainable = [p for p in block.parameters() if p.requires_grad]
+    x = torch.randn(3, 8)
+    def grads(run):
+        return torch.autograd.grad(run(x).square().mean(), trainable)
+    try:
+        got = grads(block)
+    except RuntimeError as exc:
+        return str(exc)
+    want = grads(block._forward)
+    return all(torch.allclose(g, w, rtol=1e-5, atol=1e-8) for g, w in zip(got, want))
+'''
+
 FAKE_UTIL = '''
 def checkpoint(x):
     """A stand-in for a known-broken function."""

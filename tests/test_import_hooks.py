@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import CHECKPOINTED_BLOCK as BLOCK, last_json, run_python
+from conftest import BLOCK_STEP, CHECKPOINTED_BLOCK as BLOCK, last_json, run_python
 
 pytestmark = pytest.mark.slow
 
@@ -31,22 +31,7 @@ torch.manual_seed(0)
 import gradpatch
 UPSTREAM = "does not require grad"
 
-def step(block_module):
-    """True if gradients through the block equal those of its body without checkpointing; else
-    upstream's error."""
-    block = block_module.Block()
-    block.norm.requires_grad_(False)
-    trainable = [p for p in block.parameters() if p.requires_grad]
-    x = torch.randn(3, 8)
-    def grads(run):
-        return torch.autograd.grad(run(x).square().mean(), trainable)
-    try:
-        got = grads(block)
-    except RuntimeError as exc:
-        return str(exc)
-    want = grads(block._forward)
-    return all(torch.allclose(g, w, rtol=1e-5, atol=1e-8) for g, w in zip(got, want))
-
+''' + BLOCK_STEP + '''
 def found(prefix):
     return sorted([r.patch, r.status.value, r.reason] for r in gradpatch.report() if r.target.startswith(prefix))
 

@@ -33,7 +33,7 @@ from typing import Any
 #: The switch (``apply(scan=...)``, ``GRADPATCH_SCAN``); nothing is examined while it is False.
 enabled = False
 _families: list[Any] = []
-_names: tuple[str, ...] = ()  # every member's module-level name, of every family: the per-module check
+_names: frozenset[str] = frozenset()  # every member's module-level name, of every family: the per-module check
 
 
 def families() -> list[Any]:
@@ -44,18 +44,16 @@ def families() -> list[Any]:
 
         package = catalogue._builtin_package()
         _families.extend(__import__(f"{package.__name__}._families", fromlist=["FAMILIES"]).FAMILIES)
-        _names = tuple(dict.fromkeys(name for family in _families for name in family.heads))
+        _names = frozenset(name for family in _families for name in family.heads)
     return _families
 
 
 def candidate(namespace: dict) -> bool:
     """Whether a module with these globals may hold a copy (the scan is on and it holds a member
     name): the test every module body pays."""
-    if enabled:
-        for name in _names:  # a loop over a few names: faster than a set operation on the dict's keys
-            if name in namespace:
-                return True
-    return False
+    # With the families' ~20 names a set test beats a loop over them (0.13 us on a 10-name module,
+    # 0.26-0.28 us on torch.nn.functional and os, against 0.31-0.33 us for the loop).
+    return enabled and not namespace.keys().isdisjoint(_names)
 
 
 def copies(module: ModuleType, namespace: dict, selected: list[Any]) -> list[tuple[Any, list[Any]]]:
