@@ -1,5 +1,6 @@
-"""Whether two code objects are the same program: used by :mod:`gradpatch.sampling.lift` to check that a
-function's source on disk is the code that was loaded. No torch import."""
+"""What a code object is: whether two are the same program (:mod:`gradpatch.sampling.lift` checks that
+a function's source on disk is the code that was loaded), and whether a function is torch's grad-mode
+decorator wrapper (lift and :mod:`gradpatch.sampling.diffusers` look through it). No torch import."""
 from __future__ import annotations
 
 from types import CodeType
@@ -47,3 +48,13 @@ def same_code(a: CodeType, b: CodeType) -> bool:
         elif type(x) is not type(y) or (x != y and x == x):  # NaN constants compare unequal to themselves
             return False
     return _instructions(a) == _instructions(b)
+
+
+def grad_mode_wrapper(fn: object) -> bool:
+    """Whether ``fn`` is the wrapper torch's grad-mode decorators make (``@torch.no_grad()``,
+    ``@torch.inference_mode()``): ``decorate_context`` or ``generator_context`` of torch's _contextlib.
+    Recognised by file and closure, not name or identity: from torch 2.15 each wrapper's code is a copy
+    renamed after its context manager (``no_grad``), for tracebacks."""
+    code = getattr(fn, "__code__", None)
+    return (isinstance(code, CodeType) and code.co_freevars == ("ctx_factory", "func")
+            and code.co_filename.replace("\\", "/").endswith("torch/utils/_contextlib.py"))

@@ -40,6 +40,7 @@ import torch
 
 from gradpatch.errors import NotDifferentiableError, RevertWarning, complain
 from gradpatch.sampling.diffusers_run import differentiable_run, in_call, inside
+from gradpatch.sampling._bytecode import grad_mode_wrapper
 from gradpatch.sampling.options import (check_flag, check_keywords, note_cached_call, sampling_options,
                                         step_budget, swallowed_keywords)
 from gradpatch.sampling.runner import active_options, recording
@@ -48,25 +49,16 @@ __all__ = ["NotDifferentiableError", "guard_modular_call", "no_grad_body", "patc
 
 _NEW = ("cache", "grad_steps", "checkpoint_steps")
 _HELPER = re.compile(r"_?(encode|decode|vae_decode)")
-_DECORATED = torch.no_grad()(lambda: None).__code__  # torch's ``decorate_context``, shared by all uses
-
-
-def _decorated(code: object) -> bool:
-    """Whether ``code`` is ``decorate_context``: the same object up to torch 2.14; from 2.15 a copy
-    per decorated function, renamed after its context manager (same instructions and closure)."""
-    return code is _DECORATED or (isinstance(code, type(_DECORATED)) and code.co_code == _DECORATED.co_code
-                                  and code.co_filename == _DECORATED.co_filename
-                                  and code.co_freevars == _DECORATED.co_freevars)
-
-
 def no_grad_body(fn: object) -> Callable[..., Any] | None:
     """The function under ``@torch.no_grad()`` if ``fn`` is exactly that decorator's wrapper, else None."""
-    if not _decorated(getattr(fn, "__code__", None)) or not hasattr(fn, "__wrapped__"):
+    if not grad_mode_wrapper(fn) or not hasattr(fn, "__wrapped__"):
         return None
-    closure = getattr(fn, "__closure__", None) or ()
-    cells = {name: cell.cell_contents for name, cell in zip(_DECORATED.co_freevars, closure)}
+    cells = {name: cell.cell_contents for name, cell in zip(fn.__code__.co_freevars, fn.__closure__)}  # type: ignore[attr-defined]
     no_grad = isinstance(getattr(cells.get("ctx_factory"), "__self__", None), torch.no_grad)  # a bound clone
-    return cells["func"] if no_grad and cells.get("func") is fn.__wrapped__ else None  # type: ignore[attr-defined]
+    body = cells.get("func")
+    # torch wraps a generator function in generator_context, anything else in decorate_context: only
+    # the latter is a pipeline's no_grad __call__.
+    return body if no_grad and body is fn.__wrapped__ and not inspect.isgeneratorfunction(body) else None  # type: ignore[attr-defined]
 
 
 def _signature(original: Callable[..., Any]) -> inspect.Signature | None:

@@ -44,7 +44,7 @@ from types import CodeType, FunctionType, ModuleType
 from typing import Any, Callable, Mapping, NamedTuple
 
 from gradpatch.patching.fingerprint import Identity, fingerprint_source
-from gradpatch.sampling._bytecode import same_code as _same_code
+from gradpatch.sampling._bytecode import grad_mode_wrapper, same_code as _same_code
 
 GRAD_OFF = frozenset({"torch.no_grad", "torch.autograd.no_grad", "torch.autograd.grad_mode.no_grad",
                       "torch.inference_mode", "torch.autograd.inference_mode",
@@ -75,21 +75,11 @@ _lifted_code: dict[int, CodeType] = {}  # by the original's code (kept alive by 
 _lifted: dict[int, tuple[FunctionType, FunctionType]] = {}  # by function: its cells and defaults
 
 
-def _grad_mode_decorator(fn: object) -> bool:
-    """Whether ``fn`` is the wrapper torch's grad-mode decorators make (``@torch.no_grad()``,
-    ``@torch.inference_mode()``): ``decorate_context`` or ``generator_context`` of torch's _contextlib.
-    Recognised by file and closure, not name: from torch 2.15 each wrapper's code is renamed after
-    its context manager (``no_grad``), for tracebacks."""
-    code = getattr(fn, "__code__", None)
-    return (isinstance(code, CodeType) and code.co_freevars == ("ctx_factory", "func")
-            and code.co_filename.replace("\\", "/").endswith("torch/utils/_contextlib.py"))
-
-
 def _unwrap(fn: object) -> FunctionType:
     """The function ``fn`` runs, looking through torch's grad-mode decorators only: anyone else's
     ``functools.wraps`` wrapper is code of its own (looking through it would drop it)."""
     raw = getattr(fn, "__func__", fn)  # staticmethod, classmethod, bound method
-    while _grad_mode_decorator(raw) and hasattr(raw, "__wrapped__"):
+    while grad_mode_wrapper(raw) and hasattr(raw, "__wrapped__"):
         raw = raw.__wrapped__  # type: ignore[union-attr]
     if not isinstance(raw, FunctionType):
         raise LiftError(f"{fn!r} is not a Python function")
