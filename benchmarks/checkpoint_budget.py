@@ -257,9 +257,12 @@ def curve(name: str, rounds: int, warmup: int, exhaustive: bool) -> None:
               f"{best}; plan/fastest = {median:.3f} ({low:.3f}..{high:.3f})")
 
 
-def gpu_curve(dtype: torch.dtype | None, rounds: int) -> None:
+def gpu_curve(dtype: torch.dtype | None, rounds: int, every_block: bool = False) -> None:
+    """AudioLDM-S at batch 8; ``dtype``: the forward's autocast dtype, if any; ``every_block``:
+    every block checkpointed (``use_checkpoint=True``), not only the transformer blocks."""
     speed.AUTOCAST = dtype
     kwargs, shape, _ = speed.MODELS["audioldm-s"]
+    kwargs = dict(kwargs, use_checkpoint=every_block)
     model, batch = speed.build(kwargs, shape, 8)
     speed.VARIANTS.clear()
     speed.VARIANTS.update(BASE)
@@ -271,14 +274,17 @@ def gpu_curve(dtype: torch.dtype | None, rounds: int) -> None:
         del speed.VARIANTS["V1"]
     memory, sizes, _ = add_budgets(model, batch, fixed.replace_checkpoint(speed.V1))
     gap = memory["never"] - memory["respect"]
-    peak = {}
+    peak, reported = {}, {}
     for variant in speed.VARIANTS:
         with speed.use(variant):
             memory.setdefault(variant, speed.saved_bytes(model, batch))
             peak[variant] = speed.peak_bytes(model, batch)
+            if variant in sizes:
+                reported[variant] = planner.checkpoint_plan(model).kept_bytes
     times = speed.interleaved(model, batch, list(speed.VARIANTS), rounds, 2)
     base = "V1" if "V1" in speed.VARIANTS else "respect"
-    print(f"\n== audioldm-s, batch 8, {dtype or 'fp32'}, {rounds} rounds; gap "
+    label = (f"{dtype} autocast" if dtype else "fp32") + (", every block checkpointed" if every_block else "")
+    print(f"\n== audioldm-s, batch 8, {label}, {rounds} rounds; gap "
           f"{gap / 2**20:.0f} MiB ==")
     print(f"{'variant':12} {'median step':>12} {'/' + base + ' paired':>16} {'quartiles':>14} "
           f"{'saved after fwd':>16} {'peak in step':>13} {'beyond respect /budget':>23}")
@@ -289,6 +295,8 @@ def gpu_curve(dtype: torch.dtype | None, rounds: int) -> None:
         print(f"{variant:12} {statistics.median(times[variant]) * 1e3:10.1f}ms {median:16.3f} "
               f"{low:6.3f}..{high:5.3f} {memory[variant] / 2**20:13.0f}MiB "
               f"{peak[variant] / 2**20:10.0f}MiB {ratio:>23}")
+    print("checkpoint_plan() reports, over the allocator's bytes beyond respect: " + ", ".join(
+        f"{v} {reported[v] / max(memory[v] - memory['respect'], 1):.3f}" for v in sizes))
     planner.reset()
 
 
@@ -297,12 +305,14 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer rounds")
     parser.add_argument("--model", choices=("tiny", "medium", "audioldm"), help="only this model")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--every-block", action="store_true",
+                        help="CUDA: every block of AudioLDM-S checkpointed, not only its transformer blocks")
     args = parser.parse_args()
     if args.device == "cuda":
         speed.DEVICE = torch.device("cuda")
         print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
-        gpu_curve(None, 20)
-        gpu_curve(torch.bfloat16, 20)
+        for dtype in (None, torch.bfloat16):
+            gpu_curve(dtype, 20, every_block=args.every_block)
         return
     torch.set_num_threads(1)
     if args.quick:

@@ -2,7 +2,7 @@
 ``torch._functorch.config.activation_memory_budget``, at about the same realised memory.
 
 Run:  PYTHONPATH=. HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/checkpoint_compile.py [--rounds 8]
-      [--tries 4 | --budgets 0.0 0.25]
+      [--tries 4 | --budgets 0.0 0.25] [--device cuda [--bf16]]
 
 The medium UNet of ``benchmarks/checkpoint_budget.py`` (AudioLDM's UNetModel, every block
 checkpointed; CPU, one thread). gradpatch: ``respect``, ``never`` and ``budget:`` at 50% of the gap
@@ -12,6 +12,12 @@ what to recompute: ``activation_memory_budget`` 1.0 (keep what the partitioner w
 found by bisection (``--tries`` compilations) whose realised memory is closest to gradpatch's 50%;
 ``--budgets`` compiles the budgets given instead and times the closest. Each compilation of this model
 takes minutes on a CPU (graph caches are off so that every budget is compiled).
+
+With ``--device cuda``: AudioLDM-S's UNet (``checkpoint_speed.py``'s ``audioldm-s``, its transformer
+blocks checkpointed as upstream has them) at batch 8, fp32 or under bf16 autocast (``--bf16``), wall
+time between synchronisations, memory by ``torch.cuda.memory_allocated``. Each compiled budget is
+also met from the other side: gradpatch ``budget:`` planned at the memory that compilation realised
+(where it lies between ``respect`` and ``never``), so that the two are timed at the same memory.
 
 Memory is measured the same way for every variant: the bytes still allocated after the forward
 (profiler memory events: the graph's saved tensors), minus ``respect``'s. Time: thread CPU time of a
@@ -78,16 +84,27 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--tries", type=int, default=4, help="compilations to find the matching budget")
     parser.add_argument("--budgets", type=float, nargs="+", help="compile these budgets instead (no bisection)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--bf16", action="store_true", help="CUDA: the forward under bf16 autocast")
     args = parser.parse_args()
-    torch.set_num_threads(1)
     speed.VARIANTS.update(cb.BASE)
-    model, batch = speed.build(*speed.MODELS["medium"])
-    memory, sizes, _ = cb.add_budgets(model, batch, fixed.replace_checkpoint(speed.V1))
+    if args.device == "cuda":
+        speed.DEVICE, speed.AUTOCAST = torch.device("cuda"), torch.bfloat16 if args.bf16 else None
+        kwargs, shape, _ = speed.MODELS["audioldm-s"]
+        model, batch = speed.build(kwargs, shape, 8)
+        where = (f"AudioLDM-S UNet, batch 8, {'bf16 autocast' if args.bf16 else 'fp32'}, "
+                 f"{torch.cuda.get_device_name()}")
+    else:
+        torch.set_num_threads(1)
+        model, batch = speed.build(*speed.MODELS["medium"])
+        where = "medium UNet, CPU, 1 thread"
+    fixed_copy = fixed.replace_checkpoint(speed.V1)
+    memory, sizes, _ = cb.add_budgets(model, batch, fixed_copy)
     target = "budget 50%"
     with speed.use(target):
         memory[target] = speed.saved_bytes(model, batch)
     goal = memory[target] - memory["respect"]
-    print(f"medium UNet ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params), CPU, 1 thread, torch "
+    print(f"{where} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params), torch "
           f"{torch.__version__}; respect keeps {memory['respect'] / 2**20:.2f} MiB after the forward, never "
           f"{memory['never'] / 2**20:.2f} MiB; gradpatch {target} = {sizes[target] / 2**20:.2f} MiB realises "
           f"{goal / 2**20:.2f} MiB beyond respect")
@@ -117,8 +134,21 @@ def main() -> int:
     best = min(results, key=lambda r: abs(r[2] - goal))
     name = f"compile mem {best[0]}"
     models[name], memory[name] = best[1], best[2] + memory["respect"]
+    gap = memory["never"] - memory["respect"]
+    matched = []  # gradpatch planned at the memory each compiled budget realised
+    for budget, candidate, extra in results:
+        models.setdefault(f"compile mem {budget}", candidate)
+        memory.setdefault(f"compile mem {budget}", extra + memory["respect"])
+        if 0 < extra < gap:
+            variant = f"gradpatch at {budget}"
+            speed.VARIANTS[variant] = (fixed_copy, cb.budget_policy(int(extra)))
+            with speed.use(variant):
+                for _ in range(3):  # plan at this size (the blocks are measured already)
+                    speed.step(model, batch)
+                memory[variant] = speed.saved_bytes(model, batch)
+            matched.append((variant, f"compile mem {budget}"))
 
-    variants = ["respect", target, "never", *models]
+    variants = ["respect", target, "never", *(v for v, _ in matched), *models]
     times: dict[str, list[float]] = {v: [] for v in variants}
     import random
 
@@ -144,6 +174,10 @@ def main() -> int:
     ours = statistics.median(a / b for a, b in zip(times[target], times[name]))
     print(f"\ngradpatch {target} / {name}: time {ours:.3f}x, memory beyond respect "
           f"{goal / max(best[2], 1):.2f}x")
+    for variant, other in matched:
+        ratio = statistics.median(a / b for a, b in zip(times[variant], times[other]))
+        extra = (memory[variant] - memory["respect"]) / max(memory[other] - memory["respect"], 1)
+        print(f"{variant} / {other} (same memory): time {ratio:.3f}x, memory beyond respect {extra:.2f}x")
     return 0
 
 

@@ -33,7 +33,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import checkpoint_speed as speed  # noqa: E402
 
-from gradpatch.checkpointing import _recompute  # noqa: E402
+from gradpatch.checkpointing import _graph_walk, _recompute  # noqa: E402
 
 CheckpointFunction = speed.util.CheckpointFunction
 
@@ -66,7 +66,7 @@ def replay(kind: str, calls: list) -> None:
         for func, inputs, _ in calls:
             start = _recompute.sequence_nr()
             out = func(*inputs)
-            _recompute._sources([out], start, _recompute.sequence_nr(),
+            _graph_walk.sources([out], start, _recompute.sequence_nr(),
                                 [t for t in inputs if t.requires_grad])
     elif kind == "fixed":
         for func, inputs, _ in calls:

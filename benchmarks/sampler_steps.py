@@ -11,9 +11,9 @@ another ``F``, so the ideal ratio of a checkpointed call to the plain one is ``(
 wall times by tens of percent: times are thread CPU time (one thread), and adjacent runs share
 the load, so per-round ratios are the steadier figure.
 
-``--compare`` also times the previous implementation (one ``torch.utils.checkpoint`` per evaluation,
-RNG state preserved and nested checkpoints recomputing again) in the same rounds: before and after
-side by side.
+``--compare`` also times, in the same rounds, the earlier implementations: saved-tensor hooks per
+evaluation with a Python call per saved tensor in backward ("per-tensor hooks"), and one
+``torch.utils.checkpoint`` per evaluation ("torch checkpoint").
 
     HF_HUB_OFFLINE=1 python benchmarks/sampler_steps.py [--steps 32] [--rounds 5] [--compare] [--budget]
 """
@@ -99,8 +99,8 @@ FAMILIES = {"f5": f5, "audioldm": audioldm, "kdiffusion": kdiffusion, "diffusers
 
 
 @contextlib.contextmanager
-def previous_runner():
-    """The implementation before step checkpoints were made flat: torch's checkpoint per evaluation."""
+def torch_runner():
+    """An earlier implementation: torch's checkpoint per evaluation."""
     from gradpatch.sampling import _step_checkpoint
 
     saved = _step_checkpoint.FLAT
@@ -109,6 +109,20 @@ def previous_runner():
         yield
     finally:
         _step_checkpoint.FLAT = saved
+
+
+@contextlib.contextmanager
+def per_tensor_runner():
+    """The implementation before evaluations went through the fixed checkpoint's node: saved-tensor
+    hooks per evaluation, one Python call per saved tensor in backward."""
+    from gradpatch.sampling import _step_checkpoint
+
+    recomputed = _step_checkpoint.recomputed
+    _step_checkpoint.recomputed = lambda fn, args, kwargs, fast: recomputed(fn, args, kwargs, False)
+    try:
+        yield
+    finally:
+        _step_checkpoint.recomputed = recomputed
 
 
 def timed(call, model, options: dict, context=contextlib.nullcontext) -> tuple[float, float]:
@@ -165,7 +179,8 @@ def main() -> int:
             modes = {"plain": ({}, contextlib.nullcontext), "checkpoint_steps": ({"checkpoint_steps": True},
                                                                                  contextlib.nullcontext)}
             if args.compare:
-                modes["checkpoint_steps before"] = ({"checkpoint_steps": True}, previous_runner)
+                modes["per-tensor hooks"] = ({"checkpoint_steps": True}, per_tensor_runner)
+                modes["torch checkpoint"] = ({"checkpoint_steps": True}, torch_runner)
             if args.budget:
                 half = graph_bytes(call) // 2
                 modes[f"budget:{half / 2**20:.2f}MiB"] = ({"checkpoint_steps": f"budget:{half}"}, contextlib.nullcontext)

@@ -36,6 +36,7 @@ with warnings.catch_warnings():
 import gradpatch  # noqa: E402
 from conftest import (BackgroundCheck, Interleaved, assert_grads_equal, last_json, pypi_release,  # noqa: E402
                       pypi_wheels, run_python)
+from saved_memory import saved_bytes_at_backward  # noqa: E402
 from gradpatch.patching.activation import known_patches  # noqa: E402
 from gradpatch.patching.fingerprint import fingerprint_module  # noqa: E402
 from gradpatch.sampling import function_sampler, runner as sampling  # noqa: E402
@@ -119,23 +120,6 @@ def calls_per_step(name):
     return [2] * (STEPS - 1) + [1] if name in TWO_CALLS else [1] * STEPS
 
 
-def saved_bytes(model, run):
-    """``run()``'s output and the bytes of the distinct storages autograd saved for backward while it
-    ran, parameters excluded (a checkpointed evaluation's own saves go to the checkpoint's hooks)."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen = {}
-
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in params:
-            seen[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        out = run()
-    return out, sum(seen.values())
-
-
 @pytest.fixture(scope="module", autouse=True)
 def patched():
     """Applied once for the module: applying walks every loaded module's globals to rebind (about a
@@ -199,8 +183,8 @@ def test_cache_false_gradients_equal_the_unwrapped_body(name):
 @pytest.mark.parametrize("name", ALL)
 def test_checkpoint_steps_equal_gradients_with_fewer_saved_bytes(name):
     model = make(dropout=0.2).train()  # dropout on: the recompute must replay the RNG
-    plain, plain_bytes = saved_bytes(model, lambda: grads(model, name, cache=False))
-    checkpointed, checkpointed_bytes = saved_bytes(model, lambda: grads(model, name, cache=False, checkpoint_steps=True))
+    plain, plain_bytes = saved_bytes_at_backward(model, lambda: grads(model, name, cache=False))
+    checkpointed, checkpointed_bytes = saved_bytes_at_backward(model, lambda: grads(model, name, cache=False, checkpoint_steps=True))
     assert model.training
     assert_grads_equal(checkpointed, plain)
     assert checkpointed_bytes < plain_bytes, (checkpointed_bytes, plain_bytes)

@@ -97,7 +97,66 @@ def test_second_order_gradients_flow_through_the_recompute():
     torch.testing.assert_close(results[1], results[0])
 
 
-def test_a_recompute_that_saves_differently_raises():
+class Conditioned(torch.nn.Module):
+    """A denoiser reading conditioning computed with grad outside it (a closure over a non-leaf, as a
+    sampler closing over a trainable text encoder's output does)."""
+
+    def __init__(self, cond):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin, self.cond = torch.nn.Linear(8, 8), cond
+
+    def forward(self, x, outside):
+        return torch.tanh(self.lin(x) + self.cond) * outside
+
+
+def test_an_evaluation_reading_a_tensor_it_was_not_given_takes_the_hook_path_for_the_rest_of_the_call(monkeypatch):
+    encoder = torch.nn.Linear(3, 8)
+    x0, outside = torch.randn(4, 8, requires_grad=True), torch.ones(1)
+    attempts, calls = [], []
+    original = _step_checkpoint.recomputed
+
+    def counted(fn, args, kwargs, fast):
+        attempts.append(fast)
+        out, after = original(fn, args, kwargs, fast)
+        calls.append(after)
+        return out, after
+
+    monkeypatch.setattr(_step_checkpoint, "recomputed", counted)
+    grads = []
+    for options in (SamplingOptions(), SamplingOptions(checkpoint_steps=True)):
+        net = Conditioned(encoder(torch.ones(3)))
+        out = _sample(net, x0, outside, options)
+        out.square().sum().backward()
+        grads.append(_grads([x0, encoder.weight, encoder.bias, net.lin.weight, net.lin.bias]))
+        x0.grad = encoder.weight.grad = encoder.bias.grad = None
+    assert attempts == [True, False, False, False] and calls == [False] * 4  # one try, then hooks at once
+    _close(grads[0], grads[1])
+    assert all(g is not None for g in grads[1])
+
+
+def test_a_structured_output_goes_through_the_node_and_comes_back_as_it_was():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(8, 8)
+
+    def fn(x):
+        h = lin(x)
+        return {"sample": torch.tanh(h), "extra": (h.sigmoid(), 3)}
+
+    x = torch.randn(4, 8, requires_grad=True)
+    want = fn(x)
+    (want["sample"].sum() + want["extra"][0].square().sum()).backward()
+    expected = _grads([x, lin.weight, lin.bias])
+    x.grad = lin.weight.grad = lin.bias.grad = None
+    got, fast = _step_checkpoint.recomputed(fn, (x,), {}, True)
+    assert fast and set(got) == {"sample", "extra"} and got["extra"][1] == 3
+    assert type(got["sample"].grad_fn).__name__ == "_RecomputeBackward"
+    (got["sample"].sum() + got["extra"][0].square().sum()).backward()
+    _close(expected, _grads([x, lin.weight, lin.bias]))
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["node", "per-tensor"])
+def test_a_recompute_that_runs_differently_raises(fast):
     calls = []
 
     def fn(x):
@@ -105,8 +164,31 @@ def test_a_recompute_that_saves_differently_raises():
         return x.exp() if len(calls) == 1 else x * 2  # saves its output, then its (scalar) input only
 
     x = torch.randn(3, requires_grad=True)
-    with pytest.raises(RuntimeError, match="saved 1 tensors for backward in the forward and 0"):
-        _step_checkpoint.checkpoint(fn, x).sum().backward()
+    out, _ = _step_checkpoint.recomputed(fn, (x,), {}, fast)
+    message = "built another graph when recomputed" if fast else "saved 1 tensors for backward in the forward and 0"
+    with pytest.raises(RuntimeError, match=message + ".*does not run the same way twice.*checkpoint_steps=False"):
+        out.sum().backward()
+
+
+def test_a_cache_filled_in_the_forward_raises_rather_than_differentiating_the_cached_value():
+    """A positional table computed from a parameter on the first call and cached: the recompute
+    reads the cache, so differentiating it would give the parameter no gradient (silently)."""
+    class Rotary(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.freq = torch.nn.Parameter(torch.randn(4))
+            self.table = None
+
+        def forward(self, x):
+            if self.table is None:
+                self.table = self.freq.cos()
+            return x * self.table
+
+    model, x = Rotary(), torch.randn(4, requires_grad=True)
+    out, fast = _step_checkpoint.recomputed(model, (x,), {}, True)
+    assert fast
+    with pytest.raises(RuntimeError, match="2 autograd nodes then, 1 now"):
+        out.sum().backward()
 
 
 def _ldm_grads(model, cond, **options):

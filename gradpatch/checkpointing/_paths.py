@@ -13,7 +13,7 @@ import torch
 from gradpatch.checkpointing._compat import is_compiling
 from gradpatch.checkpointing._graph_path import graph_path as _graph_path
 from gradpatch.checkpointing._recompute import ESCAPED, attempt
-from gradpatch.checkpointing._sharding import sharded_inside
+from gradpatch.checkpointing._sharding import engine_loaded, sharded_inside
 
 # Functions that took the graph path once: module -> {function}, or code object -> {None}. Weak
 # keys: a module or code object that goes away takes its entry with it; nothing else is held.
@@ -52,3 +52,15 @@ def _escape_key(func: Callable[..., Any]) -> tuple[Any, Any]:
     if isinstance(owner, torch.nn.Module) and hasattr(func, "__func__"):
         return owner, func.__func__
     return getattr(func, "__code__", func), None
+
+
+def fast_only(func: Callable[..., Any], args: tuple, kwargs: dict | None,
+              verify: tuple[str, str] | None) -> Any:
+    """The fast path alone, for a caller with a recompute of its own to fall back on: ``func``'s
+    result through the fast path's node, or ``ESCAPED`` (nothing run, or the RNG rewound) where the
+    recompute must run inside the graph: while compiling, wherever a sharding engine could manage
+    modules inside the call (:func:`gradpatch.checkpointing._sharding.engine_loaded`), and for the
+    fast path's own reasons. ``verify``: see :func:`gradpatch.checkpointing._recompute.attempt`."""
+    if is_compiling() or engine_loaded():
+        return ESCAPED
+    return attempt(func, args, kwargs, verify)

@@ -34,15 +34,12 @@ the other.
 
 **Cost.** The forward's graph holds the block's activations only until ``func`` returns, as the
 recompute does in backward, so peak memory is that of the backward; the node saves the input tensors
-and the 5 KB CPU RNG state. Building that graph is what this costs over upstream, whose forward runs
-under ``no_grad``. A training step of the tiny AudioLDM UNet took 3.6% longer than with upstream
-on one CPU thread, the medium one as long (``benchmarks/checkpoint_speed.py``); on an H100, where the
-CPU launching kernels bounds the step, 6% to 7% longer, AudioLDM-S's UNet included. Of the
-forward's extra CPU time, building the graph is a third to a half, the walk (0.4 to 2.2 us a node,
-by CPU) a quarter to a third, freeing the graph and the node's bookkeeping the rest
-(``benchmarks/checkpoint_cost.py``). The backward costs about what upstream's does: it has no view
-nodes and skips ``autograd.grad``'s argument checks. A forward without a graph would be cheaper, but
-the block would see another grad mode and other flags than in its recompute.
+and the 5 KB CPU RNG state. Building that graph (a third to a half of the extra CPU time) and
+walking it (0.4 to 2.2 us a node) is what this costs over upstream, whose forward runs under
+``no_grad``: 3.6% on the tiny AudioLDM UNet on one CPU thread, 6% to 7% on an H100, where launching
+kernels bounds the step (``benchmarks/checkpoint_speed.py``, ``checkpoint_cost.py``, the README). A
+forward without a graph would be cheaper, but the block would see another grad mode and other flags
+than in its recompute.
 """
 from __future__ import annotations
 
@@ -53,18 +50,27 @@ import torch
 from torch import Tensor
 from torch.overrides import has_torch_function
 
+from gradpatch.checkpointing import _graph_walk as graph
 from gradpatch.checkpointing._compat import autocast_dtype, autocast_enabled, engine_grad, sequence_nr
 from gradpatch.checkpointing._graph_path import parameters_as
 
 _PLAIN = (Tensor, type(None), bool, int, float, str)  # what a fast-path output tuple may hold
-_ACCUMULATE_GRAD = type(torch.ones(1, requires_grad=True).mul(1).grad_fn.next_functions[0][0])
 ESCAPED = object()
 
 
-def attempt(func: Callable[..., Any], args: tuple, kwargs: dict | None) -> Any:
-    """``func``'s result through one :class:`_Recompute` node, or ``ESCAPED`` (RNG rewound)."""
+def attempt(func: Callable[..., Any], args: tuple, kwargs: dict | None,
+            verify: tuple[str, str] | None = None) -> Any:
+    """``func``'s result through one :class:`_Recompute` node, or ``ESCAPED`` (RNG rewound).
+
+    ``verify``: (what ``func`` is, what to do instead) for the error raised in backward when the
+    recompute builds another graph than the forward did: another number of autograd nodes, or other
+    kinds of node making the outputs. A cache that filled in the forward, say, would otherwise be
+    differentiated as it ran the second time. (Counted, not walked: the count is two reads of the
+    thread's autograd sequence number, where a walk of the recomputed graph cost 3% of a sampler
+    step's time on small models.)"""
     values = list(args) if kwargs is None else [*args, *kwargs.values()]
     state = _State(func, values, len(args), kwargs)
+    state.verify = verify
     start = sequence_nr()
     out = state.call(values)
     end = sequence_nr()
@@ -75,17 +81,19 @@ def attempt(func: Callable[..., Any], args: tuple, kwargs: dict | None) -> Any:
     else:
         return state.escape()
     routed = [i for i, o in enumerate(outs)
-              if isinstance(o, Tensor) and o.requires_grad and _made_here(o, start)]
+              if isinstance(o, Tensor) and o.requires_grad and graph.made_here(o, start)]
     if not routed:
         return out
-    if state.slots and _aliasing_inputs(outs, [values[i] for i in state.slots]):
+    if state.slots and graph.aliasing_inputs(outs, [values[i] for i in state.slots]):
         return state.escape()  # an in-place change to the output would change a saved input
-    if len(routed) > 1 and len({id(_root(outs[i])) for i in routed}) < len(routed):
+    if len(routed) > 1 and len({id(graph.root(outs[i])) for i in routed}) < len(routed):
         return state.escape()  # outputs aliasing each other: in-place on one must reach the other
-    params = _sources([outs[i] for i in routed], start, end, [values[i] for i in state.diff])
+    params = graph.sources([outs[i] for i in routed], start, end, [values[i] for i in state.diff])
     if params is None:
         return state.escape()
     state.params, state.routed = params, routed
+    if verify:
+        state.shape = _shape([outs[i] for i in routed], end - start)
     state.out = tuple(outs[i].detach() for i in routed)
     single, passed = isinstance(out, Tensor), list(outs)
     for i in routed:
@@ -99,54 +107,11 @@ def attempt(func: Callable[..., Any], args: tuple, kwargs: dict | None) -> Any:
     return tuple(passed)
 
 
-def _root(t: Tensor) -> Tensor:
-    return t._base if t._is_view() else t
-
-
-def _aliasing_inputs(outs: tuple, inputs: list[Tensor]) -> bool:
-    """Whether an output is an input tensor or a view of the tensor an input is (a view of)."""
-    roots = {id(_root(t)) for t in inputs}
-    return any(isinstance(o, Tensor) and id(_root(o)) in roots for o in outs)
-
-
-def _made_here(t: Tensor, start: int) -> bool:
-    """Whether ``t`` (or the tensor it is a view of) was computed by this call's forward."""
-    grad_fn = _root(t).grad_fn
-    return grad_fn is not None and grad_fn._sequence_nr() >= start
-
-
-def _sources(roots: list[Tensor], start: int, end: int,
-             inputs: list[Tensor]) -> list[Tensor] | None:
-    """The leaves requiring grad that ``roots`` depend on, other than ``inputs``; ``None`` if they
-    also depend on a tensor not made by the call (sequence numbers outside ``start``..``end``)
-    that is not one of ``inputs``."""
-    allowed = {(t.grad_fn, t.output_nr) for t in inputs if t.grad_fn is not None}
-    stack = [t.grad_fn for t in roots]
-    seen = {None, *stack}
-    leaves: list[Tensor] = []
-    while stack:  # about 0.2 us a node; kept flat for that
-        for node, nr in stack.pop().next_functions:
-            if node in seen:
-                continue
-            if type(node) is _ACCUMULATE_GRAD:
-                seen.add(node)
-                leaves.append(node.variable)
-            elif start <= node._sequence_nr() < end:  # made by this call
-                seen.add(node)
-                stack.append(node)
-            elif (node, nr) not in allowed:
-                return None
-    if not inputs:
-        return leaves
-    given = {id(t) for t in inputs}
-    return [t for t in leaves if id(t) not in given]
-
-
 class _State:
     """What the fast path's backward needs besides the saved tensors."""
 
     __slots__ = ("func", "n_args", "keys", "params", "template", "slots", "diff", "out", "bound",
-                 "routed", "cpu_rng", "cuda_rng", "autocast")
+                 "routed", "cpu_rng", "cuda_rng", "autocast", "verify", "shape")
 
     def __init__(self, func: Callable[..., Any], values: list, n_args: int,
                  kwargs: dict | None) -> None:
@@ -165,6 +130,8 @@ class _State:
         self.routed: list[int] = []  # positions of the outputs that are the node's
         self.out: Any = None  # handed to _Recompute.forward, then dropped: no reference cycle
         self.bound: list[tuple[torch.nn.Module, str, Tensor]] | None = None  # see rebuild
+        self.verify: tuple[str, str] | None = None  # see attempt
+        self.shape: tuple[int, tuple[str, ...]] | None = None  # the forward's, where verified
         self.cpu_rng = torch.get_rng_state()
         self.cuda_rng: list[tuple[int, Tensor]] = []
         if torch.cuda.is_initialized():  # never initialise CUDA just to read its RNG
@@ -208,9 +175,22 @@ class _State:
             t = values[i]
             values[i] = t.view_as(t) if create_graph else t.detach().requires_grad_()
             targets.append(values[i])
+        # An autocast region still open in backward shares its cast cache with the recompute: the
+        # forward's casts of leaves are found there and make no nodes, so only the kinds compare.
+        counted = not any(c and autocast_enabled(d) for d, _, c in self.autocast)
+        start = sequence_nr()
         out = self.recompute(values)
         outs = out if isinstance(out, tuple) else (out,)
-        return [outs[i] for i in self.routed], targets + self.params
+        outs = [outs[i] for i in self.routed]
+        if self.verify and self.shape is not None and (
+                now := _shape(outs, sequence_nr() - start if counted else self.shape[0])) != self.shape:
+            what, instead = self.verify
+            raise RuntimeError(
+                f"{what} built another graph when recomputed in backward than in its forward "
+                f"({self.shape[0]} autograd nodes then, {now[0]} now; outputs made by "
+                f"{', '.join(self.shape[1])} then, {', '.join(now[1])} now): it does not run the "
+                f"same way twice (a cache filled in the forward?); {instead}")
+        return outs, targets + self.params
 
     def recompute(self, values: list) -> Any:
         """Run ``func`` as in the forward: its RNG, autocast state and parameters; grad mode on."""
@@ -239,6 +219,11 @@ class _State:
             torch.set_rng_state(cpu_now)
             for device, state in cuda_now:
                 torch.cuda.set_rng_state(state, device)
+
+
+def _shape(outs: list, nodes: int) -> tuple[int, tuple[str, ...]]:
+    """What :func:`attempt`'s ``verify`` compares: autograd nodes made, and the kinds making ``outs``."""
+    return nodes, tuple(type(o.grad_fn).__name__ if isinstance(o, Tensor) else "-" for o in outs)
 
 
 def _grad(outputs: tuple, inputs: tuple, grad_outputs: tuple, create_graph: bool) -> tuple:

@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-__all__ = ["sharded_inside", "modules_of"]
+__all__ = ["sharded_inside", "modules_of", "engine_loaded"]
 
 
 def sharded_inside(func: Callable[..., Any]) -> str | None:
@@ -58,6 +58,16 @@ def sharded_inside(func: Callable[..., Any]) -> str | None:
                     return f"{engine} on {_name(owner, child)}"
                 stack.append(child)
     return None
+
+
+def engine_loaded() -> bool:
+    """Whether a sharding engine could be managing modules anywhere: a process group, and FSDP or
+    DeepSpeed imported. For calls whose modules :func:`modules_of` cannot see (a sampler's denoiser,
+    reached through attributes of objects that are not modules)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return False
+    return any(name in sys.modules for name in (
+        "torch.distributed.fsdp", "torch.distributed._composable.fsdp", "deepspeed"))
 
 
 def _name(owner: torch.nn.Module, module: torch.nn.Module) -> str:

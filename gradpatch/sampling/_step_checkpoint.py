@@ -1,33 +1,37 @@
-"""The recompute of one sampler step's denoiser evaluation (``checkpoint_steps``): a non-reentrant
-checkpoint with one Python object per evaluation and an integer per saved tensor.
+"""The recompute of one sampler step's denoiser evaluation (``checkpoint_steps``).
 
-``torch.utils.checkpoint(use_reentrant=False)`` is general: a holder object, weak-reference maps and
-dynamo-disabled hooks per saved tensor, device and RNG bookkeeping per call. A sampler step saves
-about a hundred tensors of a small model on every evaluation, so on tiny and medium models that
-bookkeeping cost as much as the recompute itself (``benchmarks/sampler_steps.py``: 1.7-2.2x the plain
-call where recomputing once should cost 1.4-1.5x). Here the forward's pack hook returns the saved
-tensor's position (``next`` of a counter: no Python frame), the unpack hook is the evaluation's
-(:class:`_Frame`); the first unpack in backward recomputes the
-evaluation once under the forward's RNG state (CPU, and the CUDA devices of the inputs) and autocast
-state, keeping the tensors the recompute saves, in order; each unpack then takes its own. A second
-backward through the same graph (``retain_graph=True``) recomputes again.
+Each evaluation goes through the fixed checkpoint's node (:func:`gradpatch.checkpointing.checkpoint.fast_path`):
+the forward builds the evaluation's graph, walks it once for the leaves it depends on (parameters,
+closed-over leaves) and drops it; one autograd node holds the inputs, and its backward recomputes the
+evaluation under the forward's RNG (CPU, and the CUDA devices of the inputs) and autocast state and
+differentiates it. No Python runs per saved tensor, which on a diffusers UNet step (about 430 saved
+tensors) cost as much as the recompute itself. An output that is not a tensor (a dataclass, a dict) is
+flattened with ``torch.utils._pytree`` and rebuilt. A recompute that builds another graph than its
+forward (a cache that filled in the forward: another count of autograd nodes, or other nodes making the
+outputs) raises RuntimeError in backward rather than differentiate what ran the second time.
 
-What it supports: everything the evaluation itself does under grad, dropout included (the RNG is
-replayed), ``torch.autograd.grad`` and ``backward``, inputs and closed-over tensors alike (the graph
-outside the evaluation is untouched: only saved tensors are recomputed). What breaks: an evaluation
-whose recompute saves a different number of tensors than its forward (a cache that filled during the
-forward) raises RuntimeError in backward rather than pair tensors wrongly. Backward with
-``create_graph=True`` keeps the recomputed tensors' graph, so higher-order gradients flow.
+Where that node cannot take an evaluation (it reads a tensor with history that it was not given, such as
+a closed-over conditioning computed with grad; outputs aliasing inputs; a sharding engine loaded, whose
+hooks must see the recompute inside the graph; compiling), the evaluation runs with
+saved-tensor hooks (:class:`_Frame`): the forward's pack hook returns the saved tensor's position
+(``next`` of a counter: no Python frame), the first unpack in backward recomputes the evaluation once,
+keeping the tensors it saves, in order, and each unpack takes its own; a recompute that saves another
+number of tensors raises. Once an evaluation of a ``cache=False`` call needed that path, the call's later
+evaluations take it at once (:attr:`gradpatch.sampling.runner.SamplingRun.fast`).
+
+Both support what the evaluation does under grad, dropout included (the RNG is replayed),
+``torch.autograd.grad`` and ``backward``, ``retain_graph`` (a second backward recomputes again) and
+``create_graph=True`` (higher-order gradients). Gradients equal those of the plain call up to the order in
+which floating-point contributions are summed (measured in float64: within 1e-13 of the largest gradient).
 
 Nested checkpoints. Blocks checkpointed by gradpatch's fixed checkpoint inside the evaluation
 (CompVis/AudioLDM transformer blocks default to ``checkpoint=True``; ``use_checkpoint=True`` UNets)
-run plainly in the forward and the recompute (policy ``"never"`` in this context): the forward saves
-nothing anyway, and their own recompute would run them a third time. The recompute then holds the
-evaluation's activations, as a plain forward of one step does, until backward has used them.
-``torch.utils.checkpoint`` called directly inside the evaluation (diffusers' gradient checkpointing)
-still recomputes its blocks a second time.
+run plainly in the forward and the recompute (policy ``"never"`` in this context): the step is
+recomputed as a whole, and their own recompute would run them a third time. ``torch.utils.checkpoint``
+called directly inside the evaluation (diffusers' gradient checkpointing) still recomputes its blocks a
+second time.
 
-``FLAT = False`` uses ``torch.utils.checkpoint`` instead (the implementation before; benchmarks compare).
+``FLAT = False`` uses ``torch.utils.checkpoint`` instead (an earlier implementation; benchmarks compare).
 """
 from __future__ import annotations
 
@@ -38,6 +42,9 @@ from typing import Any, Callable, TypeVar
 import torch
 import torch.utils.checkpoint
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from gradpatch.checkpointing.checkpoint import ESCAPED, fast_path
 
 T = TypeVar("T")
 
@@ -136,13 +143,39 @@ def _never(packed: Any) -> torch.Tensor:
     raise RuntimeError("checkpoint_steps: a tensor saved during a recompute was unpacked")
 
 
+_VERIFY = ("checkpoint_steps: a denoiser evaluation", "use checkpoint_steps=False")
+
+
 def checkpoint(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     """``fn(*args, **kwargs)`` with its saved tensors recomputed in backward (module docstring)."""
+    return recomputed(fn, args, kwargs, fast=True)[0]
+
+
+def recomputed(fn: Callable[..., T], args: tuple, kwargs: dict, fast: bool) -> tuple[T, bool]:
+    """:func:`checkpoint`, through the fixed checkpoint's node if ``fast``; also whether the next
+    evaluation of the same call should try that node (False once one could not take it)."""
     if not FLAT:
-        return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, **kwargs)  # type: ignore[return-value]
+        return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, **kwargs), fast  # type: ignore[return-value]
+    if fast:
+        structure: list[Any] = [None]
+        out = fast_path(functools.partial(_flat_call, fn, structure), args, kwargs or None, verify=_VERIFY)
+        if out is not ESCAPED:
+            return (out if structure[0] is None else tree_unflatten(list(out), structure[0])), True
     frame = _Frame(fn, args, kwargs)
     with torch.autograd.graph.saved_tensors_hooks(frame.pack, frame.unpack), _inner_plain():
-        return fn(*args, **kwargs)
+        return fn(*args, **kwargs), False
+
+
+def _flat_call(fn: Callable[..., Any], structure: list[Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn``'s result, as a tensor or a flat tuple (``structure[0]``: how to rebuild it), with
+    gradpatch's block checkpoints inside it plain: in the forward and in the recompute."""
+    with _inner_plain():
+        out = fn(*args, **kwargs)
+    if isinstance(out, torch.Tensor):
+        structure[0] = None
+        return out
+    leaves, structure[0] = tree_flatten(out)
+    return tuple(leaves)
 
 
 def _inner_plain() -> Any:

@@ -24,11 +24,11 @@ options bound that (used with ``cache=False``):
   (conditioning) and inputs used in the last K steps or after the loop (F5 pastes ``cond`` into the
   output) still get theirs. ``K >= N`` is the plain run.
 * ``checkpoint_steps=True``: each denoiser evaluation is recomputed during backward instead of stored
-  (non-reentrant :func:`torch.utils.checkpoint.checkpoint`, which replays the RNG, so dropout agrees),
-  so saved memory grows by about one latent per step instead of one set of activations, at the cost of
-  a second forward per evaluation (:mod:`gradpatch.sampling._step_checkpoint`: gradpatch's block
-  checkpoints inside an evaluation run plainly, so nothing is recomputed twice). Gradients equal the
-  plain run's. The recompute happens after the
+  (through the fixed checkpoint's node, which replays the RNG, so dropout agrees), so saved memory
+  grows by about one latent per step instead of one set of activations, at the cost of a second
+  forward per evaluation (:mod:`gradpatch.sampling._step_checkpoint`: gradpatch's block checkpoints
+  inside an evaluation run plainly, so nothing is recomputed twice). Gradients equal the plain run's
+  (up to the order floating-point contributions are summed). The recompute happens after the
   call returned; it re-enters the call's shadows (:meth:`SamplingRun.active`), so it too sees caches
   off. Never wrap a scheduler's ``step`` this way: schedulers keep state a recompute would advance twice.
 * ``checkpoint_steps="budget:<size>"``: keep the graphs of as many evaluations as fit in ``<size>``
@@ -68,6 +68,7 @@ class SamplingRun:
     evaluations: int = 0
     budget: Any = field(default=None, repr=False)  # checkpoint_steps="budget:<size>": a StepBudget
     cut: bool = False  # grad_steps: grad is off from the first step until step N-K-1 ends
+    fast: bool = True  # checkpoint_steps: evaluations try the fixed checkpoint's node (_step_checkpoint)
     scopes: list[Callable[[], ContextManager[Any]]] = field(default_factory=list, repr=False)
 
     window: Any = None  # grad_steps: the _window.Window between steps N-K-1 and N-K, while open
@@ -257,7 +258,8 @@ def run_step(step: int, total: int, fn: Callable[..., T], *args: Any, **kwargs: 
 
             run.budget = run.budget or _step_budget.StepBudget(options.step_budget)
             return _step_budget.evaluate(run.budget, replay, args, kwargs)
-        return _step_checkpoint.checkpoint(replay, *args, **kwargs)
+        out, run.fast = _step_checkpoint.recomputed(replay, args, kwargs, run.fast)
+        return out
     return fn(*args, **kwargs)
 
 
