@@ -2,10 +2,10 @@
 
 A tiny random StableDiffusionPipeline (no downloads) runs forward + backward with ``cache=False`` in
 three ways: plain (every step builds a graph), ``checkpoint_steps=True`` (each UNet call recomputed in
-backward) and ``grad_steps=1`` (only the last step builds a graph). Saved bytes are the unique tensor
-storages autograd saves for backward, seen through ``torch.autograd.graph.saved_tensors_hooks``,
-parameters excluded (a checkpointed region's own saved tensors are held by the checkpoint and not
-counted: that is the memory it saves). Times are the best of ``--repeats`` runs, one thread.
+backward) and ``grad_steps=1`` (only the last step builds a graph). Saved bytes are counted as
+``sampler_memory.py`` counts them: the peak of the unique tensor storages autograd holds for backward,
+parameters excluded (a checkpointed UNet call's own graph lives while it runs, so the peak includes
+one call's activations). Times are the best of ``--repeats`` runs, one thread.
 
     HF_HUB_OFFLINE=1 python benchmarks/diffusers_memory.py [--quick] [--size 32] [--steps 8 32]
 """
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 import warnings
 
@@ -22,6 +23,9 @@ warnings.filterwarnings("ignore")
 import torch  # noqa: E402
 
 import gradpatch  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from sampler_memory import SavedMeter  # noqa: E402  (the sibling script: one way of counting)
 
 
 def build(seed: int = 0):
@@ -36,16 +40,9 @@ def measure(pipe, params, embeds, steps: int, size: int, options: dict) -> tuple
     """(saved bytes, seconds) of one forward + backward."""
     excluded = {p.untyped_storage().data_ptr() for m in (pipe.unet, pipe.vae, pipe.text_encoder)
                 for p in m.parameters()}
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in excluded:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return t
-
+    meter = SavedMeter(excluded)
     start = time.perf_counter()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
         images = pipe(prompt_embeds=embeds[0], negative_prompt_embeds=embeds[1], height=size, width=size,
                       num_inference_steps=steps, guidance_scale=2.0, output_type="pt",
                       generator=torch.Generator().manual_seed(0), cache=False, **options).images
@@ -53,7 +50,7 @@ def measure(pipe, params, embeds, steps: int, size: int, options: dict) -> tuple
     elapsed = time.perf_counter() - start
     for p in params:
         p.grad = None
-    return sum(saved.values()), elapsed
+    return meter.peak, elapsed
 
 
 def main() -> None:

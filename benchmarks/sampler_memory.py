@@ -6,9 +6,9 @@ steps, forward + backward in three ways: plain (every step builds a graph), ``ch
 (each transformer evaluation recomputed in backward) and ``grad_steps=1`` (only the last step builds a
 graph). Saved bytes: the peak, over the forward, of the unique tensor storages autograd holds for
 backward, seen through ``torch.autograd.graph.saved_tensors_hooks`` and released when the graph node
-holding them is freed; parameters are excluded. A checkpointed evaluation's own saves go to the
-checkpoint's hooks and are recomputed in backward (about one step's activations, transiently): that is
-the memory it saves, so they are not counted. Deterministic on CPU.
+holding them is freed; parameters are excluded. A checkpointed evaluation's own graph lives while the
+evaluation runs (one step's activations, as its recompute in backward does), so the peak includes one
+step's activations. Deterministic on CPU.
 
 ``cache=True`` (the original method behind gradpatch's wrapper) is timed against the unpatched upstream
 method on the same model and inputs: interleaved pairs in alternating order, medians and the median of
@@ -69,7 +69,9 @@ class SavedMeter:
         key = storage.data_ptr()
         if key in self.excluded:
             return tensor
-        held = _Held(tensor)
+        # A detached alias: the tensor itself would hold its grad_fn, and a saved output's node would
+        # then hold itself through this object (a cycle that keeps the graph alive past its use).
+        held = _Held(tensor.detach())
         if self.users.get(key, 0) == 0:
             self.live += storage.nbytes()
             self.peak = max(self.peak, self.live)

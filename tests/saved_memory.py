@@ -22,7 +22,9 @@ def saved_bytes_at_backward(model: torch.nn.Module, run: Callable[[], object]) -
         storage = tensor.untyped_storage()
         if storage.data_ptr() not in params and not held:
             seen[storage.data_ptr()] = (StorageWeakRef(storage), storage.nbytes())
-        return tensor
+        # Detached: a saved output returned as itself would hold its own node (grad_fn -> saved
+        # variable -> this tensor), a cycle that keeps a finished evaluation's graph alive.
+        return tensor.detach()
 
     def unpack(tensor):
         if not held:  # the first unpack: the forward is over, nothing freed yet

@@ -299,3 +299,40 @@ def test_compat_matches_torch():
         assert _compat.autocast_enabled("cpu") and _compat.autocast_dtype("cpu") == torch.bfloat16
     assert _compat.is_compiling() is False
     assert torch.compile(lambda t: t + int(_compat.is_compiling()), backend="eager")(torch.zeros(1)).item() == 1
+
+
+class Caching(nn.Module):
+    """A block that fills a cache from a parameter in its first forward (a positional table), so its
+    recompute in backward reads the cache instead: differentiating that recompute gives the parameter
+    no gradient, silently."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.freq = nn.Linear(8, 8), nn.Parameter(torch.randn(8))
+        self.table = None
+
+    def body(self, x: torch.Tensor) -> torch.Tensor:
+        if self.table is None:
+            self.table = self.freq.cos()
+        return self.lin(x) * self.table
+
+
+def test_a_block_whose_recompute_runs_differently_raises_as_torch_does():
+    torch.manual_seed(0)
+    x = torch.randn(4, 8, requires_grad=True)
+    block = Caching()
+    block.body(x).square().sum().backward()  # without checkpoint: freq gets its gradient
+    assert block.freq.grad is not None and block.freq.grad.abs().sum() > 0
+    from torch.utils.checkpoint import CheckpointError
+
+    block = Caching()
+    with pytest.raises(CheckpointError):  # torch: another number of saved tensors
+        torch_checkpoint(block.body, x, use_reentrant=False).square().sum().backward()
+    block = Caching()
+    out = ck.checkpoint(block.body, (x,), block.parameters(), True)
+    with pytest.raises(RuntimeError, match=r"checkpoint: a checkpointed block \(Caching.body\) built another "
+                                           r"graph.*4 autograd nodes then, 3 now.*checkpoint_policy_scope"):
+        out.square().sum().backward()
+    block = Caching()
+    v1(block.body, x, list(block.parameters())).square().sum().backward()
+    assert block.freq.grad is None  # upstream V1: no error, and no gradient where one is due

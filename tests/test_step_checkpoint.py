@@ -286,3 +286,34 @@ def test_step_budget_option_is_validated(single_thread, value, error, message):
             model.sample(cond, text, duration=12, steps=2, cache=False, checkpoint_steps=value)
         with pytest.raises(ValueError, match="Pass cache=False as well"):
             model.sample(cond, text, duration=12, steps=2, checkpoint_steps="budget:1MiB")
+
+
+@pytest.mark.parametrize("backward_inside", [False, True], ids=["backward-after", "backward-inside"])
+def test_autocast_with_its_cast_cache_is_not_taken_for_another_graph(backward_inside):
+    """Under CPU bf16 autocast the region caches casts of parameters: the first evaluation makes them,
+    later ones reuse them (and leave the node, reading history they were not given), and a backward
+    inside the still-open region recomputes with them cached. No error, gradients as plain (bf16)."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(8, 8)
+    x0 = torch.randn(4, 8, requires_grad=True)
+
+    def run(checkpointed):
+        lin.zero_grad()
+        x0.grad = None
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            x, fast = x0, True
+            for _ in range(3):
+                if checkpointed:
+                    x, fast = _step_checkpoint.recomputed(lambda v: torch.tanh(lin(v)) + v, (x,), {}, fast)
+                else:
+                    x = torch.tanh(lin(x)) + x
+            loss = x.float().square().sum()
+            if backward_inside:
+                loss.backward()
+        if not backward_inside:
+            loss.backward()
+        return [lin.weight.grad.clone(), lin.bias.grad.clone(), x0.grad.clone()]
+
+    want, got = run(False), run(True)
+    for g, w in zip(got, want):  # bf16: the recompute's casts accumulate in another order
+        torch.testing.assert_close(g, w, rtol=2e-2, atol=2e-2 * w.abs().max().item())

@@ -15,6 +15,12 @@ from gradpatch.checkpointing._graph_path import graph_path as _graph_path
 from gradpatch.checkpointing._recompute import ESCAPED, attempt
 from gradpatch.checkpointing._sharding import engine_loaded, sharded_inside
 
+# What a block whose recompute builds another graph than its forward is told (torch's checkpoint
+# raises too, on another count of saved tensors).
+_BLOCK = ("checkpoint: a checkpointed block", "run it without recompute (gradpatch.checkpoint_policy_scope"
+          "(\"never\"), GRADPATCH_CHECKPOINT=never or its own flag=False), or keep state its forward "
+          "fills out of what it differentiates")
+
 # Functions that took the graph path once: module -> {function}, or code object -> {None}. Weak
 # keys: a module or code object that goes away takes its entry with it; nothing else is held.
 _ESCAPED: weakref.WeakKeyDictionary[Any, set] = weakref.WeakKeyDictionary()
@@ -35,7 +41,7 @@ def run(func: Callable[..., Any], args: tuple, kwargs: dict | None) -> Any:
     except TypeError:  # not weak-referenceable: nothing is remembered
         escaped = False
     if not escaped:
-        out = attempt(func, args, kwargs)
+        out = attempt(func, args, kwargs, _BLOCK)
         if out is not ESCAPED:
             return out
         try:

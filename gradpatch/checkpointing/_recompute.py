@@ -185,8 +185,9 @@ class _State:
         if self.verify and self.shape is not None and (
                 now := _shape(outs, sequence_nr() - start if counted else self.shape[0])) != self.shape:
             what, instead = self.verify
+            name = getattr(self.func, "__qualname__", None)
             raise RuntimeError(
-                f"{what} built another graph when recomputed in backward than in its forward "
+                f"{what}{f' ({name})' if name else ''} built another graph when recomputed in backward than in its forward "
                 f"({self.shape[0]} autograd nodes then, {now[0]} now; outputs made by "
                 f"{', '.join(self.shape[1])} then, {', '.join(now[1])} now): it does not run the "
                 f"same way twice (a cache filled in the forward?); {instead}")

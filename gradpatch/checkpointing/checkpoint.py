@@ -15,6 +15,9 @@ autograd node takes the input tensors and those leaves; backward replays CPU/CUD
 state, recomputes, and differentiates what requires grad, returning parameter gradients as ordinary
 node outputs (``autograd.grad``, ``backward(inputs=...)``, DDP and tensor hooks see each once).
 Outputs follow autograd's rules: one that depends on nothing requiring grad does not require grad.
+A recompute that builds another graph than the forward (another count of autograd nodes, other nodes
+making the outputs: a cache the forward filled) raises in backward, as torch's checkpoint raises on
+another count of saved tensors, rather than differentiate what ran the second time.
 Under ``create_graph=True`` it recomputes from views of the saved inputs, keeping gradients
 connected, and notes where the parameters live, so later passes (MAML's outer backward) recompute
 with them even if fast weights were swapped into the modules since.
