@@ -126,6 +126,22 @@ def test_grad_steps_and_checkpoint_steps(sd):
     assert "forward" not in vars(pipe.unet) and "step" not in vars(pipe.scheduler)
 
 
+def test_checkpoint_steps_around_the_unets_own_gradient_checkpointing():
+    """diffusers' ``enable_gradient_checkpointing()`` (torch's non-reentrant checkpoint per block, in
+    train mode) inside a step that ``checkpoint_steps`` recomputes: the step's recompute runs torch's
+    checkpoint again, which recomputes its blocks once more; gradients equal the plain call's."""
+    pipe, params, embeds = build_sd()
+    pipe.unet.enable_gradient_checkpointing()
+    pipe.unet.train()
+    with gradpatch.applied("diffusers"):
+        plain = pipe(**_sd_kwargs(embeds), cache=False)[0]
+        checkpointed = pipe(**_sd_kwargs(embeds), cache=False, checkpoint_steps=True)[0]
+    torch.testing.assert_close(checkpointed, plain, rtol=1e-5, atol=1e-7)
+    grads = _grads(checkpointed, params)
+    assert all(g.abs().sum() > 0 for g in grads)
+    _close(grads, _grads(plain, params))
+
+
 @pytest.mark.parametrize("kind, scheduler", [("img2img", "DDIMScheduler"), ("img2img", "EulerDiscreteScheduler"),
                                              ("img2img", "HeunDiscreteScheduler"), ("txt2img", "PNDMScheduler")])
 def test_grad_steps_locates_steps(sd, kind, scheduler):
