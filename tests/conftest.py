@@ -294,4 +294,3 @@ def assert_grads_equal(got, want) -> None:
     for g, w in zip(got, want):
         assert torch.isfinite(g).all()
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-8)
-
