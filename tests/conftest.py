@@ -274,6 +274,15 @@ def upstream_method(cls: type, name: str) -> object:
     return method
 
 
+def weighted_grads(out, tensors) -> list:
+    """Gradients of a fixed random weighting of ``out`` (seeded, the same for every call with that shape)
+    with respect to ``tensors``; ``None`` for a tensor the output does not depend on."""
+    import torch
+
+    weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
+    return list(torch.autograd.grad((out * weight).sum(), list(tensors), allow_unused=True))
+
+
 def assert_grads_close(got, want, rtol: float = 1e-4) -> None:
     """Two sequences of gradients (``None`` where a tensor got none): ``None`` in the same places, and
     the others equal to ``rtol``, near-zero entries against a floor scaled to the largest gradient."""

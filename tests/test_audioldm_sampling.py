@@ -25,7 +25,7 @@ import gradpatch  # noqa: E402
 from gradpatch.sampling import ldm as ldm_sampling, runner as sampling  # noqa: E402
 from gradpatch.sampling.diffusers import NotDifferentiableError  # noqa: E402
 from gradpatch.testing import audioldm_cond, audioldm_ldm  # noqa: E402
-from conftest import Interleaved  # noqa: E402
+from conftest import Interleaved, assert_grads_close  # noqa: E402
 
 from audioldm.latent_diffusion.ddim import DDIMSampler  # noqa: E402
 from audioldm.ldm import LatentDiffusion  # noqa: E402
@@ -96,11 +96,8 @@ def grads(model, loss):
 def assert_close_set(got, want, rtol=1e-5):
     """Equal to ``rtol``; entries whose true gradient is numerically zero (biases before GroupNorm) are
     compared against a floor of 1e-6 of the largest gradient of the set."""
-    assert len(got) == len(want) and all(g is not None for g in got)
-    floor = 1e-6 * max(w.abs().max().item() for w in want)
-    for g, w in zip(got, want):
-        assert torch.isfinite(g).all()
-        torch.testing.assert_close(g, w, rtol=rtol, atol=floor)
+    assert len(got) == len(want) and all(g is not None and torch.isfinite(g).all() for g in got)
+    assert_grads_close(got, want, rtol)
 
 
 @contextlib.contextmanager

@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("guided_diffusion")
 
 import gradpatch  # noqa: E402
-from conftest import upstream_method  # noqa: E402
+from conftest import assert_grads_close, upstream_method, weighted_grads  # noqa: E402
 from gradpatch.testing import reinit_zero_weights  # noqa: E402
 
 pytestmark = [pytest.mark.upstream_wave, pytest.mark.usefixtures("single_thread")]
@@ -47,16 +47,7 @@ def reference(diffusion: Any, model: Any, noise: Any, first: int, ddim: bool) ->
 
 
 def _grads(out: Any, model: Any, noise: Any) -> list[Any]:
-    weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
-    return list(torch.autograd.grad((out * weight).sum(), [noise, *model.parameters()], allow_unused=True))
-
-
-def _assert_close(got: list[Any], want: list[Any]) -> None:
-    assert [g is None for g in got] == [w is None for w in want]
-    floor = 1e-6 * max(w.abs().max().item() for w in want if w is not None)
-    for g, w in zip(got, want):
-        if w is not None:
-            torch.testing.assert_close(g, w, rtol=1e-4, atol=floor)
+    return weighted_grads(out, [noise, *model.parameters()])
 
 
 @pytest.mark.parametrize("options", [{}, {"grad_steps": 1}, {"grad_steps": 2}, {"grad_steps": 3}, {"checkpoint_steps": True}],
@@ -73,7 +64,7 @@ def test_loop_gradients_equal_the_hand_written_loop(loop: str, options: dict) ->
     torch.manual_seed(0)
     first = N - options["grad_steps"] if "grad_steps" in options else -1  # -1: nothing detached
     want = _grads(reference(diffusion, model, noise, first, loop.startswith("ddim")), model, noise)
-    _assert_close(got, want)
+    assert_grads_close(got, want)
     if not options:
         assert want[0].any() and sum(w is not None and bool(w.any()) for w in want) > 0.7 * len(want)
 
@@ -93,4 +84,4 @@ def test_progressive_generator_keeps_the_callers_grad_mode() -> None:
             items.append(out["sample"])
     assert modes == [True] * N and all(item.requires_grad for item in items)
     torch.manual_seed(0)
-    _assert_close(_grads(items[-1], model, noise), _grads(reference(diffusion, model, noise, -1, False), model, noise))
+    assert_grads_close(_grads(items[-1], model, noise), _grads(reference(diffusion, model, noise, -1, False), model, noise))

@@ -48,7 +48,7 @@ def _import_offline() -> Any:
 imagen_pytorch = _import_offline()
 
 import gradpatch  # noqa: E402
-from conftest import assert_grads_close, upstream_method  # noqa: E402
+from conftest import assert_grads_close, upstream_method, weighted_grads  # noqa: E402
 from gradpatch.testing import reinit_zero_weights  # noqa: E402
 
 pytestmark = [pytest.mark.upstream_wave, pytest.mark.usefixtures("single_thread")]
@@ -96,8 +96,7 @@ def _hand_fixed(first: int) -> Iterator[None]:
 
 
 def _grads(out: Any, model: Any) -> list[Any]:
-    weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
-    return list(torch.autograd.grad((out * weight).sum(), list(model.parameters()), allow_unused=True))
+    return weighted_grads(out, model.parameters())
 
 
 def _stage(model: Any, **options: Any) -> Any:

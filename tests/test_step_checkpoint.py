@@ -16,6 +16,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import gradpatch
+from conftest import assert_grads_close
 from gradpatch.sampling import _step_budget, _step_checkpoint
 from gradpatch.sampling.options import SamplingOptions
 from gradpatch.sampling.runner import differentiable, run_step
@@ -29,13 +30,8 @@ def _grads(params):
     return [None if p.grad is None else p.grad.clone() for p in params]
 
 
-def _close(a, b):
-    assert len(a) == len(b)
-    floor = 1e-6 * max(x.abs().max().item() for x in a if x is not None)
-    for x, y in zip(a, b):
-        assert (x is None) == (y is None)
-        if x is not None:
-            torch.testing.assert_close(y, x, rtol=1e-5, atol=floor)
+def _close(want, got):
+    assert_grads_close(got, want, rtol=1e-5)
 
 
 class Net(torch.nn.Module):
