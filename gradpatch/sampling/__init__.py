@@ -5,7 +5,7 @@
 steps; ``_step_checkpoint`` and ``_step_budget`` for ``checkpoint_steps``), ``lift`` (compiling a copy of
 a function without its in-body ``no_grad``), and the specifics: ``ode_sampler`` (F5/E2: ``sample``
 integrating with torchdiffeq's ``odeint``), ``function_sampler`` (k-diffusion, stable-audio-tools:
-samplers that are functions), ``ldm``/``ldm_guards``/``ldm_dpm_solver`` (the latent-diffusion family's native
+samplers that are functions), ``ldm``/``ldm_guards``/``ldm_dpm_solver``/``_ldm_uncovered`` (the latent-diffusion family's native
 samplers), ``diffusers``/``diffusers_run`` (pipelines). ``any_sampler`` is ``gradpatch.differentiable``
 (torch-free; any sampler, on request or declared in the catalogue), run by ``generic`` with
 ``_gradoff`` (the sampler's grad-off managers made inert), ``_inplace`` (copy on write) and

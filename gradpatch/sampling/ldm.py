@@ -58,6 +58,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from gradpatch.errors import NotDifferentiableError
+from gradpatch.sampling._ldm_uncovered import warn_uncovered
 from gradpatch.sampling.diffusers import no_grad_body
 from gradpatch.sampling.options import note_cached_call
 from gradpatch.sampling.runner import (SamplingOptions, SamplingRun, _current, _shadow, _with_keywords,
@@ -86,31 +87,6 @@ def _active() -> SamplingRun | None:
     """The ``cache=False`` call of this family in progress in this context, if grad is on."""
     run = _run.get()
     return run if run is not None and run is _current.get() and recording() else None
-
-
-_checked: set[type] = set()
-FRAMEWORKS = frozenset({"torch", "pytorch_lightning", "lightning"})
-"""Packages whose base classes' decorated methods (``LightningModule.to_onnx``/``to_torchscript``: model
-export, never reached by sampling) are not reported as uncovered."""
-
-
-def _warn_uncovered(obj: Any) -> None:
-    """Once per class: name the ``@torch.no_grad()`` methods no patch replaced. The catalogue declares
-    every decorated method of a known class; one left over (a subclass's own, a new upstream method)
-    would cut the graph of a ``cache=False`` call that reaches it, so say so rather than stay silent."""
-    cls = type(obj)
-    if obj is None or cls in _checked:
-        return
-    _checked.add(cls)
-    left = sorted({f"{c.__qualname__}.{name}" for c in cls.__mro__ for name, value in vars(c).items()
-                   if no_grad_body(value) is not None and getattr(cls, name, None) is value
-                   and c.__module__.partition(".")[0] not in FRAMEWORKS})
-    if left:
-        from gradpatch.errors import UnknownCodeWarning, complain
-
-        complain(UnknownCodeWarning, f"gradpatch: {', '.join(left)} {'is' if len(left) == 1 else 'are'} "
-                 "@torch.no_grad() and not patched: a cache=False call that reaches "
-                 f"{'it' if len(left) == 1 else 'them'} gets no gradient through that part")
 
 
 def _diffusion_model(obj: Any) -> Any:
@@ -173,7 +149,7 @@ def _differentiable_call(owner: Any, name: str, options: SamplingOptions) -> Ite
         raise RuntimeError(EMA_MESSAGE.format(what=f"{type(owner).__name__}.{name}(cache=False)",
                                               model=type(model).__name__))
     for obj in {id(owner): owner, id(model): model}.values():
-        _warn_uncovered(obj)
+        warn_uncovered(obj)
     with contextlib.ExitStack() as stack:
         run = stack.enter_context(differentiable(model, options))
         run.enter(stack, functools.partial(_current_call, run))  # also inside a checkpoint's recompute
