@@ -39,8 +39,10 @@ def _signature(args: tuple, kwargs: dict) -> tuple:
                  for v in (*args, *kwargs.values()))
 
 
-def evaluate(budget: StepBudget, fn: Callable[..., T], args: tuple, kwargs: dict) -> T:
-    """Run one evaluation under ``budget``: measured and recomputed, kept, or recomputed."""
+def evaluate(budget: StepBudget, fn: Callable[..., T], args: tuple, kwargs: dict,
+             recompute: Callable[[Callable[..., T], tuple, dict], T]) -> T:
+    """Run one evaluation under ``budget``: measured and recomputed, kept, or recomputed (by
+    ``recompute``, the call's own: :meth:`gradpatch.sampling.runner.SamplingRun.recomputed`)."""
     key = _signature(args, kwargs)
     cost = budget.costs.get(key)
     if cost is None:
@@ -52,4 +54,4 @@ def evaluate(budget: StepBudget, fn: Callable[..., T], args: tuple, kwargs: dict
         budget.kept += 1
         return _step_checkpoint.kept(fn, *args, **kwargs)
     budget.recomputed += 1
-    return _step_checkpoint.checkpoint(fn, *args, **kwargs)
+    return recompute(fn, args, kwargs)

@@ -146,14 +146,10 @@ def _never(packed: Any) -> torch.Tensor:
 _VERIFY = ("checkpoint_steps: a denoiser evaluation", "use checkpoint_steps=False")
 
 
-def checkpoint(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-    """``fn(*args, **kwargs)`` with its saved tensors recomputed in backward (module docstring)."""
-    return recomputed(fn, args, kwargs, fast=True)[0]
-
-
 def recomputed(fn: Callable[..., T], args: tuple, kwargs: dict, fast: bool) -> tuple[T, bool]:
-    """:func:`checkpoint`, through the fixed checkpoint's node if ``fast``; also whether the next
-    evaluation of the same call should try that node (False once one could not take it)."""
+    """``fn(*args, **kwargs)`` with what it saves recomputed in backward (module docstring), through the
+    fixed checkpoint's node if ``fast``; also whether the next evaluation of the same call should try
+    that node (False once one could not take it)."""
     if not FLAT:
         return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, **kwargs), fast  # type: ignore[return-value]
     if fast:
@@ -187,10 +183,10 @@ def _inner_plain() -> Any:
 
 
 def measured(fn: Callable[..., T], *args: Any, **kwargs: Any) -> tuple[T, int]:
-    """:func:`checkpoint`, and the bytes keeping the evaluation's graph would have added: those of the
-    storages it saved for backward that were freed when it returned (as
-    :mod:`gradpatch.checkpointing._measure` counts a block's own bytes). Storages still alive (the
-    inputs, parameters, the output) cost nothing more when kept, and each storage counts once."""
+    """The evaluation recomputed in backward (the hook path of :func:`recomputed`), and the bytes keeping
+    its graph would have added: those of the storages it saved for backward that were freed when it
+    returned (as :mod:`gradpatch.checkpointing._measure` counts a block's own bytes). Storages still
+    alive (the inputs, parameters, the output) cost nothing more when kept, and each storage counts once."""
     frame = _Frame(fn, args, kwargs)
     frame.seen = {}
     with torch.autograd.graph.saved_tensors_hooks(frame.measuring_pack, frame.unpack), _inner_plain():

@@ -97,6 +97,13 @@ class SamplingRun:
         finally:
             _current.reset(token)
 
+    def recomputed(self, fn: Callable[..., T], args: tuple, kwargs: dict) -> T:
+        """``fn(*args, **kwargs)`` recomputed in backward (:mod:`gradpatch.sampling._step_checkpoint`);
+        once an evaluation could not take the fixed checkpoint's node, the rest of the call go straight
+        to the hook path."""
+        out, self.fast = _step_checkpoint.recomputed(fn, args, kwargs, self.fast)
+        return out
+
     def enter(self, stack: contextlib.ExitStack, scope: Callable[[], ContextManager[Any]]) -> None:
         """Enter ``scope`` now (on ``stack``) and on every later :meth:`active`."""
         self.scopes.append(scope)
@@ -257,9 +264,8 @@ def run_step(step: int, total: int, fn: Callable[..., T], *args: Any, **kwargs: 
             from gradpatch.sampling import _step_budget
 
             run.budget = run.budget or _step_budget.StepBudget(options.step_budget)
-            return _step_budget.evaluate(run.budget, replay, args, kwargs)
-        out, run.fast = _step_checkpoint.recomputed(replay, args, kwargs, run.fast)
-        return out
+            return _step_budget.evaluate(run.budget, replay, args, kwargs, run.recomputed)
+        return run.recomputed(replay, args, kwargs)
     return fn(*args, **kwargs)
 
 
