@@ -60,13 +60,15 @@ def _escape_key(func: Callable[..., Any]) -> tuple[Any, Any]:
     return getattr(func, "__code__", func), None
 
 
-def fast_only(func: Callable[..., Any], args: tuple, kwargs: dict | None,
-              verify: tuple[str, str] | None) -> Any:
-    """The fast path alone, for a caller with a recompute of its own to fall back on: ``func``'s
-    result through the fast path's node, or ``ESCAPED`` (nothing run, or the RNG rewound) where the
-    recompute must run inside the graph: while compiling, wherever a sharding engine could manage
-    modules inside the call (:func:`gradpatch.checkpointing._sharding.engine_loaded`), and for the
-    fast path's own reasons. ``verify``: see :func:`gradpatch.checkpointing._recompute.attempt`."""
+def fast_path(func: Callable[..., Any], args: tuple, kwargs: dict | None = None, *,
+              verify: tuple[str, str] | None = None) -> Any:
+    """The fast path alone, for a caller with a recompute of its own to fall back on (gradpatch's
+    sampler steps; public as ``gradpatch.checkpointing.checkpoint.fast_path``): ``func``'s result
+    through the fast path's node, or ``ESCAPED`` (nothing run, or the RNG rewound) where the recompute
+    must run inside the graph: while compiling, wherever a sharding engine could manage modules inside
+    the call (:func:`gradpatch.checkpointing._sharding.engine_loaded`), and for the fast path's own
+    reasons. ``verify=(what, instead)``: raise in backward, saying what and what to do instead, if the
+    recompute builds another graph than the forward (:func:`gradpatch.checkpointing._recompute.attempt`)."""
     if is_compiling() or engine_loaded():
         return ESCAPED
     return attempt(func, args, kwargs, verify)

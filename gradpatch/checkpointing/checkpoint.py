@@ -56,9 +56,9 @@ from torch import Tensor
 
 from gradpatch import settings
 from gradpatch.checkpointing._compat import functorch_active
-from gradpatch.checkpointing._paths import fast_only
+from gradpatch.checkpointing._paths import fast_path  # noqa: F401  (for gradpatch's sampler steps)
 from gradpatch.checkpointing._paths import run as _checkpoint
-from gradpatch.checkpointing._recompute import ESCAPED
+from gradpatch.checkpointing._recompute import ESCAPED  # noqa: F401  (what fast_path returns when it cannot serve)
 
 __all__ = ["checkpoint", "CheckpointFunction", "mixed_checkpoint", "non_reentrant",
            "replace_checkpoint", "replace_checkpoint_function", "replace_mixed_checkpoint",
@@ -110,16 +110,6 @@ class CheckpointFunction:
     @staticmethod
     def apply(run_function: Callable[..., Any], length: int, *args: Any) -> Any:
         return checkpoint(run_function, args[:length], args[length:], True)
-
-
-def fast_path(func: Callable[..., Any], args: tuple, kwargs: dict | None = None, *,
-              verify: tuple[str, str] | None = None) -> Any:
-    """``func(*args, **kwargs)`` through the fast path's node, or :data:`ESCAPED` where only a
-    recompute inside the autograd graph is right (compiling, a sharding engine loaded, the reasons
-    the graph path is taken above), for callers with such a recompute of their own (gradpatch's
-    sampler steps). ``verify=(what, instead)``: raise in backward, saying what and what to do
-    instead, if the recompute builds another graph than the forward (a cache that filled)."""
-    return fast_only(func, args, kwargs, verify)
 
 
 def mixed_checkpoint(func: Callable[..., Any], inputs: Mapping[str, Any],
