@@ -76,7 +76,7 @@ def cache_true_ratio(patched, upstream, model, x, sigmas, pairs: int) -> tuple[f
 
 def wrapper_overhead(calls: int = 20000) -> float:
     """Seconds the ``cache=True`` wrapper adds per call, measured around a function that does nothing."""
-    from gradpatch.sampling.function_sampler import fixed_step_sampler
+    from gradpatch.sampling.families.functions import fixed_step_sampler
 
     def sample_stub(model, x, sigmas, extra_args=None, callback=None, disable=None):
         return None

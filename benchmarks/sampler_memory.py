@@ -119,7 +119,7 @@ def compare_cache_true(model, cond, text, upstream, steps: int, duration: int, p
 
 def wrapper_overhead(calls: int = 20000) -> float:
     """Seconds the ``cache=True`` wrapper adds per call, measured around a method that does nothing."""
-    from gradpatch.sampling.ode_sampler import differentiable_sampler
+    from gradpatch.sampling.families.ode import differentiable_sampler
 
     class Stub:
         def sample(self, cond, text, duration, *, steps=32, seed=None):

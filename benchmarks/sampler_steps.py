@@ -101,7 +101,7 @@ FAMILIES = {"f5": f5, "audioldm": audioldm, "kdiffusion": kdiffusion, "diffusers
 @contextlib.contextmanager
 def torch_runner():
     """An earlier implementation: torch's checkpoint per evaluation."""
-    from gradpatch.sampling import _step_checkpoint
+    from gradpatch.sampling.steps import checkpoint as _step_checkpoint
 
     saved = _step_checkpoint.FLAT
     _step_checkpoint.FLAT = False
@@ -115,7 +115,7 @@ def torch_runner():
 def per_tensor_runner():
     """The implementation before evaluations went through the fixed checkpoint's node: saved-tensor
     hooks per evaluation, one Python call per saved tensor in backward."""
-    from gradpatch.sampling import _step_checkpoint
+    from gradpatch.sampling.steps import checkpoint as _step_checkpoint
 
     recomputed = _step_checkpoint.recomputed
     _step_checkpoint.recomputed = lambda fn, args, kwargs, fast: recomputed(fn, args, kwargs, False)

@@ -49,7 +49,7 @@ _EXPORTS = {
     "StartupWarning": "gradpatch.errors",
     "checkpoint": "gradpatch.checkpointing.checkpoint",  # these import torch
     "checkpoint_plan": "gradpatch.checkpointing.budget",
-    "differentiable": "gradpatch.sampling.any_sampler",
+    "differentiable": "gradpatch.sampling.generic.any_sampler",
     "trainable": "gradpatch.selective",
     "explain_grads": "gradpatch.doctor",
     "grad_doctor": "gradpatch.doctor",
@@ -65,7 +65,7 @@ if TYPE_CHECKING:
     from gradpatch.checkpointing.checkpoint import checkpoint
     from gradpatch.checkpointing.budget import checkpoint_plan
     from gradpatch.patching.registry import Patch, Record, Report, Status
-    from gradpatch.sampling.any_sampler import differentiable
+    from gradpatch.sampling.generic.any_sampler import differentiable
     from gradpatch.doctor import explain_grads, grad_doctor
     from gradpatch.selective import TrainableSummary, trainable
     from gradpatch.settings import checkpoint_policy_scope, set_checkpoint_policy

@@ -6,8 +6,8 @@ from typing import Mapping
 from gradpatch.patching.families import AutogradFunctionShape, Family, FunctionShape, Member
 from gradpatch.patching.fingerprint import IsObject
 from gradpatch.patching.registry import Patch
-from gradpatch.sampling.any_sampler import fix as _fixes
-from gradpatch.sampling.any_sampler import sampler
+from gradpatch.sampling.generic.any_sampler import fix as _fixes
+from gradpatch.sampling.generic.any_sampler import sampler
 
 from ._ldm import LDM_SAMPLING
 
@@ -112,7 +112,7 @@ FLOW_MATCHING = Family(
 F5_SAMPLE = Family(
     "f5_cfm_sample",
     members=(Member("CFM.sample", FunctionShape(("self", "cond", "text", "duration")),
-                    "gradpatch.sampling.ode_sampler:differentiable_sampler",
+                    "gradpatch.sampling.families.ode:differentiable_sampler",
                     "CFM.sample(cache=False): gradients through the ODE solve, caller's mode kept; grad_steps, "
                     "checkpoint_steps"),),
     fingerprints=((("CFM.sample",), {

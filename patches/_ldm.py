@@ -2,8 +2,8 @@
 
 Every known version of every method is declared once, with its role, in :mod:`._ldm_samplers` and
 :mod:`._ldm_models`; the roles (:mod:`._ldm_roles`) name the fix factories of
-:mod:`gradpatch.sampling.ldm`, :mod:`gradpatch.sampling.ldm_guards` and
-:mod:`gradpatch.sampling.ldm_dpm_solver`, documented there. A codebase declares only where its classes
+:mod:`gradpatch.sampling.families.ldm`, :mod:`gradpatch.sampling.families.ldm_guards` and
+:mod:`gradpatch.sampling.families.ldm_dpm_solver`, documented there. A codebase declares only where its classes
 live and which of the family's methods each defines::
 
     ldm_sampling("audioldm2", {
@@ -16,7 +16,7 @@ recognised by every known version of that method (wherever it was found first), 
 left alone (with a warning) while its siblings are patched. The same table is the family
 :data:`LDM_SAMPLING` the scan looks for at every other path: a class of the family's name with a
 known method gets the same patches, named after its module. ``:lifted`` selects the versions whose body
-holds an in-body ``no_grad`` (recognised with :class:`gradpatch.sampling.lift.Liftable`: the fingerprint
+holds an in-body ``no_grad`` (recognised with :class:`gradpatch.sampling.lifting.lift.Liftable`: the fingerprint
 of the source the loaded code object points at).
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Mapping
 from gradpatch.patching.families import MethodVersions
 from gradpatch.patching.fingerprint import Fingerprints
 from gradpatch.patching.registry import Patch
-from gradpatch.sampling.lift import Liftable
+from gradpatch.sampling.lifting.lift import Liftable
 
 from ._ldm_models import MODELS
 from ._ldm_roles import FIXES, LIFTED, SOLVER, SUMMARIES

@@ -12,9 +12,9 @@ SOLVER = "solver_sample"
 
 #: Where each role's fix factory lives.
 FIXES = {
-    **dict.fromkeys((ENTRY, LIFTED, INNER, STEP_BY_INDEX, STEP_BY_TIMESTEP), "gradpatch.sampling.ldm"),
-    **dict.fromkeys((REFUSE, EMA, DEVICE), "gradpatch.sampling.ldm_guards"),
-    SOLVER: "gradpatch.sampling.ldm_dpm_solver",
+    **dict.fromkeys((ENTRY, LIFTED, INNER, STEP_BY_INDEX, STEP_BY_TIMESTEP), "gradpatch.sampling.families.ldm"),
+    **dict.fromkeys((REFUSE, EMA, DEVICE), "gradpatch.sampling.families.ldm_guards"),
+    SOLVER: "gradpatch.sampling.families.ldm_dpm_solver",
 }
 
 SUMMARIES = {

@@ -20,7 +20,7 @@ version of the two files in the repositories' history (2024-06 to 2025-10); test
 """
 from gradpatch.patching.fingerprint import Fingerprints
 from gradpatch.patching.registry import Patch
-from gradpatch.sampling.any_sampler import sampler
+from gradpatch.sampling.generic.any_sampler import sampler
 
 _SAMPLER = "ldm.models.diffusion.scheduling_lcm:LCMSampler"
 _MODEL = "ldm.models.diffusion.lcm_audio:LCM_audio"
@@ -34,7 +34,7 @@ PATCHES = [
                        over=("LCMSampler.sample", "LCMSampler.lcm_sampling", "LCMSampler.step")),
           "audiolcm", "LCMSampler.sample(cache=False): gradients through the LCM loop; grad_steps, checkpoint_steps"),
     Patch("audiolcm.LCMSampler.register_buffer", f"{_SAMPLER}.register_buffer",
-          "gradpatch.sampling.ldm_guards:buffers_follow_model",
+          "gradpatch.sampling.families.ldm_guards:buffers_follow_model",
           Fingerprints({"890b0198f7cc2775": "liuhuadai/AudioLCM@4dfb84c to be5a709 = Text-to-Audio/AudioLCM = "
                                             "mahshid1378/Audio-LCM-Model@2460ae7 (SD1 DDIMSampler's code)",
                         "b928c3e484b9409c": "matthieu-cervera/VCI_Editing@9d0556f (cuda when available)"}),

@@ -5,7 +5,7 @@ Checkpoint. ``audioldm.latent_diffusion.util`` defines the OpenAI/CompVis checkp
 whatever ``use_checkpoint`` says. Unpatched, freezing any parameter of a transformer block makes
 ``backward()`` raise "One of the differentiated Tensors does not require grad".
 
-Native sampling (``gradpatch.sampling.ldm``). ``DDIMSampler.sample``/``decode``/
+Native sampling (``gradpatch.sampling.families.ldm``). ``DDIMSampler.sample``/``decode``/
 ``stochastic_encode`` and ``LatentDiffusion.sample``/``p_sample_loop``/``progressive_denoising``/
 ``sample_log``/``decode_first_stage``/``encode_first_stage`` (and ``DDPM.sample``/``p_sample_loop``)
 take ``cache``/``grad_steps``/``checkpoint_steps``; the decorated loops and steps they reach run

@@ -3,7 +3,7 @@
 Checkpoint. ``audioldm2.latent_diffusion.modules.diffusionmodules.util`` defines the V1 checkpoint;
 ``modules.attention`` and ``diffusionmodules.openaimodel`` rebind it and force it on, as in AudioLDM.
 
-Native sampling (``gradpatch.sampling.ldm``), in ``audioldm2.latent_diffusion.models``:
+Native sampling (``gradpatch.sampling.families.ldm``), in ``audioldm2.latent_diffusion.models``:
 ``DDIMSampler.sample``/``encode``/``decode``/``stochastic_encode``, ``PLMSSampler.sample`` and
 ``LatentDiffusion.sample``/``p_sample_loop``/``progressive_denoising``/``sample_log`` (and
 ``DDPM.sample``/``p_sample_loop``) take ``cache``/``grad_steps``/``checkpoint_steps``; the decorated
@@ -11,7 +11,7 @@ loops and steps they reach run undecorated inside ``cache=False`` calls. A step 
 ``p_sample_ddim`` call (which evaluates the model twice with guidance: unconditional, then
 conditional; both count for that step), one ``p_sample_plms`` call, or one ``p_sample`` call
 (ancestral). ``decode_first_stage``/``encode_first_stage`` hold an in-body ``with torch.no_grad():``;
-their ``cache=False`` runs a copy with it lifted (``gradpatch.sampling.lift``). ``generate_batch``/
+their ``cache=False`` runs a copy with it lifted (``gradpatch.sampling.lifting.lift``). ``generate_batch``/
 ``generate_sample`` refuse ``cache=False``; ``ema_scope`` is guarded. ``PLMSSampler.register_buffer``
 moves every buffer to CUDA and ``DDIMSampler`` defaults to ``device=cuda``: both samplers' buffers
 follow the model's device instead, so they work on CPU (a CUDA model gets upstream's buffers).

@@ -5,7 +5,7 @@
 ``modules/diffusionmodules/nn.py`` is imported by nothing.) No installable package carries this code:
 the fix is tested on PyPI audioldm, whose checkpoint has the same fingerprint.
 
-Native sampling (``gradpatch.sampling.ldm``, ``gradpatch.sampling.ldm_dpm_solver``) in
+Native sampling (``gradpatch.sampling.families.ldm``, ``gradpatch.sampling.families.ldm_dpm_solver``) in
 ``audioldm_train.modules.latent_diffusion``: AudioLDM2's samplers, ``LatentDiffusion`` (in-body ``no_grad``
 in ``decode_first_stage``/``encode_first_stage``) and SD1's DPM-Solver, declared as for those codebases.
 Fingerprints from haoheliu/AudioLDM-training-finetuning@702a638 (the repository as of 2024-12-13). No

@@ -1,7 +1,7 @@
 """AudioSR (PyPI ``audiosr`` 0.0.7; its maintained fork PyPI ``kagayoi-audiosr`` 1.0.2, same package name).
 
 ``audiosr.latent_diffusion.models`` is a copy of AudioLDM2's: the same native-sampling fixes as
-:mod:`gradpatch.patches.audioldm2` (``gradpatch.sampling.ldm``), declared on AudioSR's module
+:mod:`gradpatch.patches.audioldm2` (``gradpatch.sampling.families.ldm``), declared on AudioSR's module
 paths. A step is one ``p_sample_ddim`` call (with guidance: the conditional, then the unconditional
 evaluation), one ``p_sample_plms`` call, or one ``p_sample`` call (ancestral). ``decode_first_stage``/
 ``encode_first_stage`` hold an in-body ``with torch.no_grad():`` (lifted for ``cache=False``);

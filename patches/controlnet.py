@@ -6,7 +6,7 @@ locked UNet) decorates ``sample_log``, ``get_input``, ``get_unconditional_condit
 ``log_images``; ``cldm.ddim_hacked.DDIMSampler`` (what ``sample_log`` and the demos use) is SD2's
 sampler with a hacked ``p_sample_ddim`` (guidance by two ``apply_model`` calls) and ``encode``, and a
 ``register_buffer`` that moves every buffer to CUDA. The same fixes as for ``ldm``
-(``gradpatch.sampling.ldm``): ``sample_log``/``DDIMSampler.sample``/... take ``cache=False``,
+(``gradpatch.sampling.families.ldm``): ``sample_log``/``DDIMSampler.sample``/... take ``cache=False``,
 ``grad_steps``, ``checkpoint_steps``; a step is one ``p_sample_ddim``; only ``apply_model`` (control
 network included) is recomputed; the buffers follow the model's device.
 

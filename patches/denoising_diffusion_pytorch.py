@@ -9,7 +9,7 @@ step is one ``self.model`` call, ``self.sampling_timesteps`` of them). Deliberat
 of the training code (``p_losses``' self-conditioning, the Karras U-Nets' weight normalisation) are not
 on the sampling path and stay as written. Fingerprints hash the four methods together (1.x 2.3.4).
 """
-from gradpatch.sampling.any_sampler import sampler
+from gradpatch.sampling.generic.any_sampler import sampler
 from gradpatch.patching.fingerprint import Fingerprints
 from gradpatch.patching.registry import Patch
 

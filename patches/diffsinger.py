@@ -17,7 +17,7 @@ solver step). ``grad_steps`` is not offered: the number of steps is the global
 of ``RectifiedFlow.forward``, ``inference`` and the four step methods hashed together, the same for
 every version of the file (2024-04 to 2026-06).
 """
-from gradpatch.sampling.any_sampler import sampler
+from gradpatch.sampling.generic.any_sampler import sampler
 
 TARGETS = ("modules.core.reflow:RectifiedFlow.forward", "modules.core.reflow:RectifiedFlow.inference")
 FIX = sampler(step="velocity_fn")

@@ -3,7 +3,7 @@
 291 of 295 pipeline classes in 0.42.1 decorate their own ``__call__`` with ``@torch.no_grad()``, so
 no output of ``pipe(...)`` ever has a gradient; AlignProp and trl copied ``__call__`` bodies by hand to
 get one. One patch covers the whole ``DiffusionPipeline`` class hierarchy, including pipeline classes
-defined after it is applied; see :mod:`gradpatch.sampling.diffusers` for the semantics.
+defined after it is applied; see :mod:`gradpatch.sampling.families.diffusers` for the semantics.
 
 The patch targets ``DiffusionPipeline.__init_subclass__``, which the base class inherits from
 ``object``: the fix patches every pipeline class defined so far and installs an ``__init_subclass__``
@@ -55,7 +55,7 @@ PATCHES = [
     Patch(
         "diffusers.pipelines",
         "diffusers.pipelines.pipeline_utils:DiffusionPipeline.__init_subclass__",
-        "gradpatch.sampling.diffusers:patch_pipeline_hierarchy",
+        "gradpatch.sampling.families.diffusers:patch_pipeline_hierarchy",
         PipelineHierarchy("DiffusionPipeline", "DiffusionPipeline hierarchy · @torch.no_grad() __call__"),
         "diffusers",
         "pipeline __call__ takes cache=False (gradients), grad_steps, checkpoint_steps",
@@ -66,7 +66,7 @@ PATCHES = [
     Patch(
         "diffusers.modular_pipelines",
         "diffusers.modular_pipelines.modular_pipeline:ModularPipeline.__call__",
-        "gradpatch.sampling.diffusers:guard_modular_call",
+        "gradpatch.sampling.families.diffusers:guard_modular_call",
         LacksParameter("cache", "ModularPipeline.__call__ · in-body torch.no_grad()"),
         "diffusers",
         "ModularPipeline(cache=False) raises a clear error instead of ignoring it",

@@ -4,7 +4,7 @@ differentiated.
 Every release (0.0.1 to 2.2.2) decorates ``e2_tts_pytorch.e2_tts.E2TTS.sample`` with
 ``@torch.no_grad()``, calls ``self.eval()`` without restoring the caller's mode and integrates with the
 module global ``odeint`` (torchdiffeq; default method ``midpoint``). The fix is F5-TTS's (see
-``patches/f5_tts.py`` and ``gradpatch/sampling/runner.py``): ``sample(..., cache=True, *,
+``patches/f5_tts.py`` and ``gradpatch/sampling/run.py``): ``sample(..., cache=True, *,
 grad_steps=None, checkpoint_steps=False)``, where ``cache=True`` is the original method and
 ``cache=False`` the undecorated body with grad on and the caller's train/eval mode kept. E2's
 transformer has no text cache, so ``cache`` only selects the mode. ``grad_steps=K`` counts solver
@@ -17,7 +17,7 @@ Fingerprints cover every PyPI release (25 distinct ``sample`` definitions); the 
 from gradpatch.patching.fingerprint import Fingerprints, has_parameter
 from gradpatch.patching.registry import Patch
 
-_SAMPLING = "gradpatch.sampling.ode_sampler"
+_SAMPLING = "gradpatch.sampling.families.ode"
 
 SAMPLE = Fingerprints(
     known={

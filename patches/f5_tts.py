@@ -13,9 +13,9 @@ checkpoint_steps=False)``:
 * ``grad_steps=K`` / ``checkpoint_steps=True`` (with ``cache=False``): for the duration of such a call
   the module global ``odeint`` of ``f5_tts.model.cfm`` is shadowed by a wrapper that numbers the solver
   steps and runs each ODE function evaluation (one batched transformer call from 1.1.6 on, two before)
-  through ``gradpatch.sampling.runner.run_step``; it acts only in the caller's context, so concurrent
+  through ``gradpatch.sampling.run.run_step``; it acts only in the caller's context, so concurrent
   ``cache=True`` calls are untouched. ``grad_steps`` needs a fixed-grid method (F5's default is
-  ``euler``). See ``gradpatch/sampling/runner.py``.
+  ``euler``). See ``gradpatch/sampling/run.py``.
 
 Recognition is by the fingerprint of ``CFM.sample`` alone, and ``cfm.py`` has been byte-identical from
 1.1.16 to 1.1.22 (and at the git-only tags 1.1.18 and 1.1.19), so one fingerprint covers the end of the
@@ -32,7 +32,7 @@ recorded; they are meant for inference, and patching them would mean replacing t
 from gradpatch.patching.fingerprint import Fingerprints, has_parameter
 from gradpatch.patching.registry import Patch
 
-_SAMPLING = "gradpatch.sampling.ode_sampler"
+_SAMPLING = "gradpatch.sampling.families.ode"
 
 SAMPLE = Fingerprints(
     known={

@@ -16,7 +16,7 @@ caller's grad mode holds between items): gradients reach the ``model`` argument'
 its gradient with ``th.autograd.grad`` without ``create_graph``: it enters the sample as a constant.
 Only the sdk's copies are declared (openai/guided-diffusion's differ: fingerprints in the survey).
 """
-from gradpatch.sampling.any_sampler import sampler
+from gradpatch.sampling.generic.any_sampler import sampler
 from gradpatch.patching.fingerprint import Fingerprints
 from gradpatch.patching.registry import Patch
 

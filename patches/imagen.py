@@ -17,7 +17,7 @@ Fingerprints hash each entry with the levels it calls (imagen-pytorch 2.1.0).
 """
 from gradpatch.patching.fingerprint import Fingerprints
 from gradpatch.patching.registry import Patch
-from gradpatch.sampling.any_sampler import sampler
+from gradpatch.sampling.generic.any_sampler import sampler
 
 _IMAGEN = "imagen_pytorch.imagen_pytorch:Imagen"
 

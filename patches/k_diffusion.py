@@ -3,7 +3,7 @@
 
 Every sampler is decorated with ``@torch.no_grad()``; the bodies themselves differentiate (the
 denoiser is the ``model`` argument, called as ``model(x, sigma * s_in, **extra_args)``). The fix
-(``gradpatch/sampling/function_sampler.py``) adds, keyword-only, ``cache=True`` (the original function),
+(``gradpatch/sampling/families/functions.py``) adds, keyword-only, ``cache=True`` (the original function),
 ``cache=False`` (the undecorated body with gradients on), ``grad_steps=K`` (the last K iterations of
 the step loop build a graph; Heun, DPM-2, DPM-2 ancestral, DPM++ 2S ancestral and DPM++ SDE evaluate
 the denoiser twice per step) and ``checkpoint_steps=True``. ``sample_dpm_fast`` and
@@ -24,7 +24,7 @@ from __future__ import annotations
 from gradpatch.patching.fingerprint import Fingerprints, has_parameter
 from gradpatch.patching.registry import Patch
 
-_FIX = "gradpatch.sampling.function_sampler"
+_FIX = "gradpatch.sampling.families.functions"
 
 _VENDORED = "; stable-audio-tools 0.0.20 (vendored)"
 _LATEST = "0.0.16–0.1.1.post1"

@@ -7,7 +7,7 @@ The name ``ldm`` is shared, so only the fingerprint tells them apart. ``ldm.modu
 checkpoints, and ``AttentionBlock`` passes ``True`` everywhere. Tested against stable-diffusion-sdkit
 2.1.5 (V2); V1 is tested through audioldm, which has the same fingerprint.
 
-Native sampling (``gradpatch.sampling.ldm``), in ``ldm.models.diffusion``: ``DDIMSampler.sample``/
+Native sampling (``gradpatch.sampling.families.ldm``), in ``ldm.models.diffusion``: ``DDIMSampler.sample``/
 ``encode``/``decode``/``stochastic_encode``, ``PLMSSampler.sample``, ``DPMSolverSampler.sample`` and
 ``LatentDiffusion.sample``/``p_sample_loop``/``progressive_denoising``/``sample_log``/
 ``decode_first_stage``/``encode_first_stage`` (and ``DDPM.sample``/``p_sample_loop``) take
@@ -15,7 +15,7 @@ Native sampling (``gradpatch.sampling.ldm``), in ``ldm.models.diffusion``: ``DDI
 inside ``cache=False`` calls. A step is one ``p_sample_ddim``, ``p_sample_plms`` or ``p_sample``
 (ancestral) call, or one call of DPM-Solver's model function: ``DPM_Solver.sample`` runs its solver
 inside an in-body ``with torch.no_grad():``, lifted for ``cache=False`` calls
-(``gradpatch.sampling.ldm_dpm_solver``). ``ema_scope`` is guarded. SD1's and ControlNet's samplers move
+(``gradpatch.sampling.families.ldm_dpm_solver``). ``ema_scope`` is guarded. SD1's and ControlNet's samplers move
 their buffers to CUDA in ``register_buffer`` and SD2's default to ``device=cuda``: the buffers follow the
 model's device instead (sdkit's copy already does). SD1's undecorated
 ``differentiable_decode_first_stage`` needs nothing.

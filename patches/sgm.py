@@ -16,7 +16,7 @@ a manager held in a variable (set ``embedder.is_trainable = True`` for gradients
 """
 from gradpatch.patching.fingerprint import Fingerprints
 from gradpatch.patching.registry import Patch
-from gradpatch.sampling.any_sampler import sampler
+from gradpatch.sampling.generic.any_sampler import sampler
 
 from ._families import checkpoint_family, torch_checkpoint_default
 

@@ -9,7 +9,7 @@ samplers cannot be differentiated.
   ``stable_audio_tools.inference.k_diffusion.sampling`` (9 of k-diffusion's, all ``@torch.no_grad()``,
   same fingerprints as k-diffusion 0.1.1.post1), which are patched too.
 
-The fix is k-diffusion's (``gradpatch/sampling/function_sampler.py``): ``cache=True`` (the original),
+The fix is k-diffusion's (``gradpatch/sampling/families/functions.py``): ``cache=True`` (the original),
 ``cache=False``, ``grad_steps=K`` (RK4: four evaluations per step), ``checkpoint_steps=True``. Inside
 ``sample_diffusion(cache=False)``, the vendored samplers follow its options and count the steps; for
 those sampler types the unit under ``no_grad`` or checkpointed is their denoiser, ``VDenoiser(model)``. Without
@@ -30,7 +30,7 @@ from gradpatch.patching.registry import Patch
 
 from .k_diffusion import k_diffusion_samplers
 
-_FIX = "gradpatch.sampling.function_sampler:fixed_step_sampler"
+_FIX = "gradpatch.sampling.families.functions:fixed_step_sampler"
 _MODULE = "stable_audio_tools.inference.sampling"
 _DIST = "stable-audio-tools"
 # 0.0.20 kept the names of 0.0.19's samplers but dropped their decorators: the ranges keep those (and

@@ -18,7 +18,7 @@ version in the repository's history, for checking a checkout; ``FIX`` is what th
 tested on a replica in ``tests/test_tango_replica.py``. The vendored AudioLDM copies are covered by
 ``patches/audioldm.py``.
 """
-from gradpatch.sampling.any_sampler import sampler
+from gradpatch.sampling.generic.any_sampler import sampler
 
 TARGET = "models:AudioDiffusion.inference"
 FIX = sampler(step="unet", steps="num_steps")

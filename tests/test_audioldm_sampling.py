@@ -22,8 +22,9 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("audioldm")
 
 import gradpatch  # noqa: E402
-from gradpatch.sampling import ldm as ldm_sampling, runner as sampling  # noqa: E402
-from gradpatch.sampling.diffusers import NotDifferentiableError  # noqa: E402
+from gradpatch.sampling import run as sampling
+from gradpatch.sampling.families import ldm as ldm_sampling  # noqa: E402
+from gradpatch.sampling.families.diffusers import NotDifferentiableError  # noqa: E402
 from gradpatch.testing import audioldm_cond, audioldm_ldm  # noqa: E402
 from conftest import Interleaved, assert_grads_close  # noqa: E402
 
@@ -278,7 +279,7 @@ def test_caller_modes_kept_and_state_restored(model):
         assert z.grad_fn is not None and model.training and model.model.training
         assert not model.first_stage_model.training  # upstream keeps the first stage in eval
         assert not {"eval", "apply_model"} & vars(model).keys()
-        assert sampling.active_options() is None and not ldm_sampling._sampling
+        assert sampling.active_options() is None and not ldm_sampling.sampling_models
         with torch.inference_mode(), pytest.raises(RuntimeError, match="inference_mode"):
             DDIMSampler(model).sample(**kwargs(cond), cache=False)
     model.eval()
@@ -359,7 +360,7 @@ def test_ema_scope_and_cache_false_refuse_each_other():
         # Graphs entirely on one side of a scope are unaffected.
         z, _ = DDIMSampler(model).sample(**kwargs(cond), cache=False)
         z.square().mean().backward()
-        assert not ldm_sampling._in_ema and not ldm_sampling._sampling
+        assert not ldm_sampling.ema_models and not ldm_sampling.sampling_models
 
 
 def test_sampler_buffers_follow_the_model(model):

@@ -314,7 +314,7 @@ def test_a_catalogue_declaration_and_an_unknown_version_opted_in():
     from gradpatch.patching import activation
     from gradpatch.patching.fingerprint import Fingerprints
     from gradpatch.patching.registry import Patch
-    from gradpatch.sampling.any_sampler import sampler
+    from gradpatch.sampling.generic.any_sampler import sampler
 
     original = vars(fs.Buffers)["forward"]
     digest = Fingerprints({}).identify(fs, "Buffers.forward", original).label

@@ -280,7 +280,7 @@ def test_class_defined_after_apply_and_cache_hooks_bypassed():
 
 
 def test_subclasses_helpers_guards_and_revert(sd):
-    from gradpatch.sampling.diffusers import NotDifferentiableError
+    from gradpatch.sampling.families.diffusers import NotDifferentiableError
 
     pipe, params, embeds = sd
     originals = {}

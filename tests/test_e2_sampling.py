@@ -28,7 +28,7 @@ import gradpatch  # noqa: E402
 from conftest import BackgroundCheck, assert_grads_equal, pypi_release, pypi_wheels, upstream_method  # noqa: E402
 from gradpatch.patching.activation import known_patches  # noqa: E402
 from gradpatch.patching.fingerprint import fingerprint_module, fingerprint_source  # noqa: E402
-from gradpatch.sampling import runner as sampling  # noqa: E402
+from gradpatch.sampling import run as sampling  # noqa: E402
 
 from e2_tts_pytorch import e2_tts as e2_module  # noqa: E402
 from e2_tts_pytorch.e2_tts import E2TTS  # noqa: E402

@@ -37,7 +37,8 @@ from conftest import (BackgroundCheck, Interleaved, assert_grads_equal, pypi_rel
                       upstream_method)
 from gradpatch.testing import f5_cfm, f5_inputs  # noqa: E402
 from gradpatch.patching.fingerprint import fingerprint_module, fingerprint_source  # noqa: E402
-from gradpatch.sampling import ode_sampler, runner as sampling  # noqa: E402
+from gradpatch.sampling import run as sampling
+from gradpatch.sampling.families import ode as ode_sampler  # noqa: E402
 from gradpatch.patching.activation import known_patches  # noqa: E402
 
 from f5_tts.model import CFM, DiT, MMDiT, UNetT  # noqa: E402

@@ -39,7 +39,8 @@ from conftest import (BackgroundCheck, Interleaved, assert_grads_equal, last_jso
 from saved_memory import saved_bytes_at_backward  # noqa: E402
 from gradpatch.patching.activation import known_patches  # noqa: E402
 from gradpatch.patching.fingerprint import fingerprint_module  # noqa: E402
-from gradpatch.sampling import function_sampler, runner as sampling  # noqa: E402
+from gradpatch.sampling import run as sampling
+from gradpatch.sampling.families import functions as function_sampler  # noqa: E402
 from k_diffusion import sampling as kd  # noqa: E402
 from tqdm import trange  # noqa: E402  (the fake sampler below loops like upstream)
 

@@ -21,7 +21,7 @@ from conftest import pypi_release, run_python  # noqa: E402
 from gradpatch.patching import catalogue  # noqa: E402
 from gradpatch.patching.activation import known_patches  # noqa: E402
 from gradpatch.patching.fingerprint import fingerprint_source  # noqa: E402
-from gradpatch.sampling.diffusers import NotDifferentiableError  # noqa: E402
+from gradpatch.sampling.families.diffusers import NotDifferentiableError  # noqa: E402
 from gradpatch.testing_ldm import LATENT, audioldm2_model, sdkit_model  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -189,7 +189,7 @@ def test_no_decorated_method_of_the_model_is_left_unpatched(upstream):
     patch replaced (Lightning's export helpers aside): here there is none."""
     import warnings
 
-    from gradpatch.sampling import _ldm_uncovered as uncovered
+    from gradpatch.sampling.families import ldm_uncovered as uncovered
 
     model, cond, _ = sdkit_model() if upstream == "ldm" else audioldm2_model(upstream)
     uncovered._checked.discard(type(model))

@@ -1,4 +1,4 @@
-"""Lifting an in-body ``with torch.no_grad():`` (gradpatch.sampling.lift) on small functions and on a real
+"""Lifting an in-body ``with torch.no_grad():`` (gradpatch.sampling.lifting.lift) on small functions and on a real
 upstream method (audioldm2's ``decode_first_stage``, when audioldm2 imports)."""
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 import gradpatch  # noqa: E402
 from gradpatch.errors import UnknownCodeWarning  # noqa: E402
 from gradpatch.patching.fingerprint import fingerprint_module  # noqa: E402
-from gradpatch.sampling.lift import Liftable, LiftError, function_fingerprint, lift_no_grad  # noqa: E402
+from gradpatch.sampling.lifting.lift import Liftable, LiftError, function_fingerprint, lift_no_grad  # noqa: E402
 from gradpatch.patching.registry import Patch  # noqa: E402
 
 SOURCE = '''
@@ -128,7 +128,7 @@ def test_liftable_recogniser(module):
 def test_an_unknown_liftable_target_is_skipped_and_recorded(module, monkeypatch):
     from gradpatch.patching import activation
 
-    patch = Patch("liftee.top", "liftee:top", "gradpatch.sampling.ldm:lifted_entry",
+    patch = Patch("liftee.top", "liftee:top", "gradpatch.sampling.families.ldm:lifted_entry",
                   Liftable({"0" * 16: "v1"}), "liftee", "lifted")
     monkeypatch.setitem(activation.known_patches(), "liftee.top", patch)
     with warnings.catch_warnings(record=True) as caught:
@@ -162,7 +162,7 @@ def test_lifted_entry_patch_end_to_end(module, monkeypatch):
 
     original = vars(module.FirstStage)["decode_first_stage"]
     known = {function_fingerprint(original): "liftee 1.0"}
-    patch = Patch("liftee.decode", "liftee:FirstStage.decode_first_stage", "gradpatch.sampling.ldm:lifted_entry",
+    patch = Patch("liftee.decode", "liftee:FirstStage.decode_first_stage", "gradpatch.sampling.families.ldm:lifted_entry",
                   Liftable(known), "liftee", "lifted")
     monkeypatch.setitem(activation.known_patches(), "liftee.decode", patch)
     stage, z = module.FirstStage(), torch.randn(2, 3)

@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 np = pytest.importorskip("numpy")
 
 from gradpatch.errors import NotDifferentiableError  # noqa: E402
-from gradpatch.sampling.lift import Liftable, LiftError, function_fingerprint, lift_no_grad  # noqa: E402
+from gradpatch.sampling.lifting.lift import Liftable, LiftError, function_fingerprint, lift_no_grad  # noqa: E402
 
 SOURCE = '''
 import torch
@@ -86,7 +86,7 @@ def test_no_grad_in_nested_definitions_stays(module):
 
 
 def test_generate_sample_validates_cache_like_every_sampler():
-    from gradpatch.sampling.ldm_guards import refuse_cache_false
+    from gradpatch.sampling.families.ldm_guards import refuse_cache_false
 
     method = refuse_cache_false(lambda self, *args, **kwargs: "upstream")
     for value in (True, np.True_):

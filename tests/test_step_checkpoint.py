@@ -1,5 +1,5 @@
-"""``checkpoint_steps``: the per-step recompute (``gradpatch.sampling._step_checkpoint``) and
-``checkpoint_steps="budget:<size>"`` (``gradpatch.sampling._step_budget``).
+"""``checkpoint_steps``: the per-step recompute (``gradpatch.sampling.steps.checkpoint``) and
+``checkpoint_steps="budget:<size>"`` (``gradpatch.sampling.steps.budget``).
 
 Gradients are compared with the plain ``cache=False`` call (every step keeps its graph) over every
 parameter; the recompute replays dropout; gradpatch block checkpoints inside a step run once in the
@@ -17,9 +17,9 @@ from torch.profiler import ProfilerActivity, profile
 
 import gradpatch
 from conftest import assert_grads_close
-from gradpatch.sampling import _step_budget, _step_checkpoint
+from gradpatch.sampling.steps import budget as _step_budget, checkpoint as _step_checkpoint
 from gradpatch.sampling.options import SamplingOptions
-from gradpatch.sampling.runner import differentiable, run_step
+from gradpatch.sampling.run import differentiable, run_step
 from gradpatch.settings import budget_bytes
 from gradpatch.testing import f5_cfm, f5_inputs
 

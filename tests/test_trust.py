@@ -213,7 +213,7 @@ def test_fork_while_another_thread_holds_the_locks(fake_upstream):
 import contextlib, os, threading, time
 from gradpatch.patching import activation, ledger
 from gradpatch import settings
-import gradpatch.sampling.runner as sampling
+import gradpatch.sampling.run as sampling
 held, done = threading.Event(), threading.Event()
 def hold():
     with contextlib.ExitStack() as stack:
@@ -229,7 +229,7 @@ if pid == 0:  # the child: every gradpatch entry point that takes a lock must wo
     gradpatch.apply("fakeup")
     with settings.checkpoint_policy_scope("never"):
         pass
-    with sampling._shadow(fakeup, "checkpoint", lambda original: original):
+    with sampling.shadow(fakeup, "checkpoint", lambda original: original):
         pass
     os._exit(0 if fakeup.checkpoint(1) == 102 and gradpatch.report() else 3)
 deadline, status = time.time() + 60, None

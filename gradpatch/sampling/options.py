@@ -1,16 +1,14 @@
-"""The keywords every patched sampler takes, ``cache``, ``grad_steps``, ``checkpoint_steps``, and their
-validation (``checkpoint_steps`` also takes ``"budget:<size>"``): wrong types are a TypeError (``cache="False"`` is not read by truth value), and a keyword
-that a sampler's ``**kwargs`` would swallow but that looks like one of them (``grad_step=2``) is a
-warning, an error in strict mode.
+"""The values of the keywords every patched sampler takes, ``cache``, ``grad_steps``,
+``checkpoint_steps`` (also ``"budget:<size>"``), and their validation: a wrong type is a TypeError
+(``cache="False"`` is not read by truth value), a value out of range a ValueError. When each is
+checked, defaults, joining and misspellings: :mod:`gradpatch.sampling.contract`. Torch-free.
 """
 from __future__ import annotations
 
-import inspect
 import operator
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from gradpatch.errors import ConfigWarning, complain
 
 
 @dataclass(frozen=True)
@@ -86,44 +84,3 @@ def step_budget(checkpoint_steps: object) -> int | None:
         return budget_bytes(PREFIX + text[len(PREFIX):].strip())
     except ValueError as error:
         raise ValueError(f"checkpoint_steps={checkpoint_steps!r}: {error}") from None
-
-
-def sampling_options(cache: bool, grad_steps: int | None, checkpoint_steps: bool | str) -> SamplingOptions:
-    """Validate the keywords a patched sampler received: ``cache`` a boolean, ``checkpoint_steps`` a
-    boolean or ``"budget:<size>"``, ``grad_steps`` None or a positive integral number (see
-    :class:`SamplingOptions`)."""
-    check_flag("cache", cache)
-    budget = step_budget(checkpoint_steps)
-    if cache and (grad_steps is not None or checkpoint_steps):
-        raise ValueError("grad_steps and checkpoint_steps control the graph built with cache=False; "
-                         "with cache=True no graph is built. Pass cache=False as well.")
-    return SamplingOptions(grad_steps, bool(checkpoint_steps), budget)
-
-
-def swallowed_keywords(function: Callable[..., Any]) -> frozenset[str] | None:
-    """The names ``function`` takes explicitly, if it also takes ``**kwargs`` (which would swallow a
-    misspelt option silently); None if it does not (a misspelt keyword is then a TypeError anyway)."""
-    try:
-        params = inspect.signature(function).parameters.values()
-    except (TypeError, ValueError):
-        return None
-    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-        return None
-    return frozenset(p.name for p in params if p.kind is not inspect.Parameter.VAR_KEYWORD) | set(OPTIONS)
-
-
-def check_keywords(kwargs: dict[str, Any], accepted: frozenset[str] | None, where: str) -> None:
-    """Warn (raise in strict mode) for each keyword that ``accepted`` lacks and that looks like one
-    of :data:`OPTIONS` (``grad_step=2``, ``cach=False``): ``**kwargs`` would swallow it and the call
-    would run without the option (full memory, no truncation) and without an error."""
-    if accepted is None or not kwargs:
-        return
-    for key in kwargs:
-        if key in accepted:
-            continue
-        import difflib
-
-        close = difflib.get_close_matches(key.lower(), OPTIONS, n=1, cutoff=0.75)
-        if close:
-            complain(ConfigWarning, f"gradpatch: {where} got {key}=, which it does not take (its **kwargs "
-                     f"would ignore it); did you mean {close[0]}=?")

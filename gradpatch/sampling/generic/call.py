@@ -1,9 +1,9 @@
 """The machinery behind :func:`gradpatch.differentiable` (documented there): one call of any sampler.
 
 A ``cache=False`` call runs the original object, decorators and all, with, for its duration and in
-its context only: the sampler's grad-off constructs inert (:mod:`gradpatch.sampling._gradoff`), in-place
-writes copy-on-write (:mod:`gradpatch.sampling._inplace`), the ``step`` routed through
-:func:`~gradpatch.sampling.runner.run_step` (counted: call ``i`` is step ``i``) and the train/eval flags
+its context only: the sampler's grad-off constructs inert (:mod:`gradpatch.sampling.generic.gradoff`), in-place
+writes copy-on-write (:mod:`gradpatch.sampling.generic.copy_on_write`), the ``step`` routed through
+:func:`~gradpatch.sampling.run.run_step` (counted: call ``i`` is step ``i``) and the train/eval flags
 of the modules involved put back on exit. A generator is resumed the same way each time, and the
 caller's grad mode holds at every ``yield``. Inference tensors in what it returns or yields are cloned
 into normal ones. If gradients could flow (grad on, something requires grad) but nothing returned
@@ -16,20 +16,20 @@ import functools
 import inspect
 import sys
 import types
-from contextvars import ContextVar
 from typing import Any, Callable, Iterator
 
 import torch
 
 from gradpatch.errors import NotDifferentiableError
-from gradpatch.sampling import _gradoff
-from gradpatch.sampling._inplace import CopyOnWrite
-from gradpatch.sampling._values import clean as _clean, codes as _codes, describe as _describe, tensors as _tensors
-from gradpatch.sampling.options import note_cached_call
-from gradpatch.sampling.ode_sampler import stepped_odeint
-from gradpatch.sampling.runner import SamplingRun, _shadow, _with_keywords, run_step, sampling_options
+from gradpatch.sampling.contract import sampler_entry
+from gradpatch.sampling.generic import gradoff
+from gradpatch.sampling.generic.copy_on_write import CopyOnWrite
+from gradpatch.sampling.options import SamplingOptions
+from gradpatch.sampling.run import SamplingRun, current, run_step, shadow
+from gradpatch.sampling.steps.odeint import stepped_odeint
+from gradpatch.sampling.values import clean, codes, describe, tensors
 
-_UNSET: Any = object()
+FAMILY = "generic"
 
 
 def _start(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:  # the boundary of a call
@@ -40,7 +40,7 @@ def _resume(gen: Any, how: str, value: Any) -> Any:  # the boundary of a generat
     return getattr(gen, how)(value) if how != "throw" else gen.throw(value)
 
 
-_gradoff.BOUNDARY.update({_start.__code__, _resume.__code__, *(  # and a checkpoint's recompute
+gradoff.BOUNDARY.update({_start.__code__, _resume.__code__, *(  # and a checkpoint's recompute
     c for c in run_step.__code__.co_consts if isinstance(c, types.CodeType) and c.co_name == "replay")})
 
 
@@ -49,7 +49,7 @@ class Sampler:
 
     def __init__(self, fn: Callable[..., Any], step: Any, steps: Any, where: str) -> None:
         self.fn, self.step, self.steps, self.where = fn, step, steps, where
-        self.codes = _codes(fn)
+        self.codes = codes(fn)
         try:
             self.signature = inspect.signature(fn)
         except (TypeError, ValueError):
@@ -80,7 +80,7 @@ class Sampler:
 
     def ode(self) -> bool:
         """Whether ``step`` is torchdiffeq's ``odeint`` as the sampler's module names it: then the solver
-        numbers the steps (:func:`~gradpatch.sampling.ode_sampler.stepped_odeint`) and ``t`` gives N."""
+        numbers the steps (:func:`~gradpatch.sampling.families.ode.stepped_odeint`) and ``t`` gives N."""
         module = sys.modules.get(getattr(self.fn, "__module__", None) or "")
         step = vars(module).get(self.step) if isinstance(self.step, str) and module is not None else self.step
         return str(getattr(step, "__module__", "")).startswith("torchdiffeq") and callable(step)
@@ -128,19 +128,18 @@ class _Run:
 
         self.inside = True
         try:
-            return _clean(run_step(index, self.total or 0, evaluate, *args, **kwargs))
+            return clean(run_step(index, self.total or 0, evaluate, *args, **kwargs))
         finally:
             self.inside = False
 
 
-_current: ContextVar[_Run | None] = ContextVar("gradpatch_differentiable_run", default=None)
-
-
 def _stepped(real: Callable[..., Any]) -> Callable[..., Any]:
-    """The step's stand-in: each call in a call's context (not nested in a step) is one step."""
+    """The step's stand-in: each call in a call's context (not nested in a step, nor in a sampler that
+    joined the call and counts its own steps) is one step."""
 
     def step(*args: Any, **kwargs: Any) -> Any:
-        run = _current.get()
+        state = current.get()
+        run = state.family_state if state is not None and state.family == FAMILY else None
         if run is None or run.inside:
             return real(*args, **kwargs)  # elsewhere, or inside a step (CFG calling forward twice)
         return run.step(real, args, kwargs)
@@ -172,9 +171,9 @@ def _new_children_follow(parent: Any, known: dict[int, Any]) -> None:
 
 
 def call(sampler: Sampler, original: Callable[..., Any], args: tuple, kwargs: dict, owner: Any,
-         grad_steps: Any, checkpoint_steps: Any) -> Any:
-    """One ``cache=False`` call of ``original(*args, **kwargs)`` (module docstring)."""
-    options = sampling_options(False, grad_steps, checkpoint_steps)
+         state: SamplingRun) -> Any:
+    """One ``cache=False`` call of ``original(*args, **kwargs)`` under ``state`` (module docstring)."""
+    options = state.options
     where = sampler.where
     if (options.grad_steps is not None or options.checkpoint_steps) and sampler.step is None:
         raise ValueError(f"gradpatch.differentiable({where}): grad_steps and checkpoint_steps need step=, what one "
@@ -189,18 +188,16 @@ def call(sampler: Sampler, original: Callable[..., Any], args: tuple, kwargs: di
     total = sampler.total(bound, owner) if options.grad_steps is not None and not ode else None
     cow = CopyOnWrite()
     run = _Run(sampler, total, cow)
-    state = SamplingRun(options)
-    live = _gradoff.Call(where, sampler.codes)
-    state.scopes.append(functools.partial(_gradoff.active, live))
+    state.family_state = run
+    live = gradoff.Call(where, sampler.codes)
+    state.scopes.append(functools.partial(gradoff.active, live))
     grad = torch.is_grad_enabled()
-    wanted = grad and any(t.requires_grad for t in _tensors([owner, sampler.step, list(args), kwargs]))
+    wanted = grad and any(t.requires_grad for t in tensors([owner, sampler.step, list(args), kwargs]))
 
     @contextlib.contextmanager
     def entered() -> Iterator[None]:
         with contextlib.ExitStack() as stack:
             stack.enter_context(state.active())
-            token = _current.set(run)
-            stack.callback(_current.reset, token)
             stack.enter_context(cow.hooks())
             stack.enter_context(cow)
             stack.enter_context(torch.set_grad_enabled(grad))  # puts the caller's mode back (grad_steps cuts)
@@ -210,21 +207,21 @@ def call(sampler: Sampler, original: Callable[..., Any], args: tuple, kwargs: di
         stack.enter_context(_modes_kept([owner, sampler.step if not isinstance(sampler.step, str) else None]))
         if sampler.step is not None:
             obj, name = sampler.target(bound, owner)
-            stack.enter_context(_shadow(obj, name, stepped_odeint if ode else _stepped))
+            stack.enter_context(shadow(obj, name, stepped_odeint if ode else _stepped))
         with entered():
             out = _start(original, args, kwargs)
         if inspect.isgenerator(out):
             return _generator(out, entered, stack.pop_all())
-    if total is not None and run.count != total:
+    if total is not None and run.count != total and not state.joined:
         raise RuntimeError(f"gradpatch.differentiable({where}): grad_steps: step was called {run.count} times, but "
                            f"steps says {total}; the last K steps cannot be told apart. Pass as step what one "
                            "sampler step calls once, or use checkpoint_steps")
     if options.checkpoint_steps and state.evaluations == 0:
         raise RuntimeError(f"gradpatch.differentiable({where}): checkpoint_steps had no effect: step was never called")
-    if wanted and not any(t.requires_grad for t in _tensors(out)):
-        raise NotDifferentiableError(f"gradpatch.differentiable({where}) returned {_describe(out)}; gradients "
+    if wanted and not any(t.requires_grad for t in tensors(out)):
+        raise NotDifferentiableError(f"gradpatch.differentiable({where}) returned {describe(out)}; gradients "
                                      "cannot flow through it. Return the tensor itself (convert it afterwards)")
-    return _clean(out)
+    return clean(out)
 
 
 def _generator(gen: Any, entered: Callable[[], Any], stack: contextlib.ExitStack) -> Iterator[Any]:
@@ -237,7 +234,7 @@ def _generator(gen: Any, entered: Callable[[], Any], stack: contextlib.ExitStack
             except StopIteration as stop:
                 return stop.value
             try:
-                how, value = "send", (yield _clean(item))  # the caller's grad mode holds here
+                how, value = "send", (yield clean(item))  # the caller's grad mode holds here
             except GeneratorExit:
                 gen.close()
                 raise
@@ -248,34 +245,31 @@ def _generator(gen: Any, entered: Callable[[], Any], stack: contextlib.ExitStack
 def make(fn: Callable[..., Any], step: Any = None, steps: Any = None, *, cache: bool = False,
          where: str | None = None) -> Callable[..., Any]:
     """A callable taking ``cache`` (default ``cache``), ``grad_steps``, ``checkpoint_steps`` around ``fn``
-    (a function or a bound method); as a class attribute it binds like ``fn`` (a plain function), and
-    its first argument is then the sampler's object even when a decorator's signature does not call it
-    ``self`` (imagen's ``eval_decorator``: ``inner(model, *args, **kwargs)``)."""
+    (a function or a bound method), following :mod:`gradpatch.sampling.contract`; as a class attribute
+    it binds like ``fn`` (a plain function), and its first argument is then the sampler's object even
+    when a decorator's signature does not call it ``self`` (imagen's ``eval_decorator``:
+    ``inner(model, *args, **kwargs)``)."""
     owner = getattr(fn, "__self__", None)
     where = where or getattr(fn, "__qualname__", repr(fn))
     sampler = Sampler(fn, step, steps, where)
-    default = cache
 
-    @functools.wraps(fn)
-    def differentiable(*args: Any, cache: bool = _UNSET, grad_steps: Any = None, checkpoint_steps: Any = False,
-                       **kwargs: Any) -> Any:
-        flag = default if cache is _UNSET else cache
-        sampling_options(flag, grad_steps, checkpoint_steps)  # validates, as every patched sampler does
-        if flag or (cache is _UNSET and _gradoff._active.get() is not None and grad_steps is None
-                    and not checkpoint_steps):
-            if flag:
-                note_cached_call(where, owner if owner is not None else (args[0] if args else None))
-            return fn(*args, **kwargs)  # upstream's call (inside another call: its constructs are inert already)
-        this = owner if owner is not None else (args[0] if args and ("self" in (
-            sampler.signature.parameters if sampler.signature else ()) or _method_of(differentiable, args[0]))
-            else None)
-        return call(sampler, fn, args, kwargs, this, grad_steps, checkpoint_steps)
+    def this_of(args: tuple) -> Any:
+        if owner is not None:
+            return owner
+        named_self = "self" in (sampler.signature.parameters if sampler.signature else ())
+        return args[0] if args and (named_self or _method_of(differentiable, args[0])) else None
 
-    if sampler.signature is not None:
-        differentiable.__signature__ = _with_keywords(sampler.signature).replace(  # type: ignore[attr-defined]
-            parameters=[p.replace(default=default) if p.name == "cache" else p
-                        for p in _with_keywords(sampler.signature).parameters.values()])
-    differentiable.__wrapped__ = fn  # type: ignore[attr-defined]
+    def run(state: SamplingRun, outer: SamplingRun | None, args: tuple, kwargs: dict) -> Any:
+        if outer is not None:
+            if outer.family == FAMILY:
+                return fn(*args, **kwargs)  # inside another call: its constructs are inert already
+            if sampler.step is None:  # the outer sampler knows its steps: only lift the constructs here
+                state.options = SamplingOptions()
+        return call(sampler, fn, args, kwargs, this_of(args), state)
+
+    differentiable = sampler_entry(fn, run, family=FAMILY, describe=lambda args: f"gradpatch.differentiable({where})",
+                                   default_cache=cache, owner=lambda args, kwargs: this_of(args) if args else owner,
+                                   expected="step was never called")
     return differentiable
 
 

@@ -18,7 +18,7 @@ options bound that (used with ``cache=False``):
   and AlignProp): grad is off from the first evaluation of step 0 until the last evaluation of step
   N-K-1 returns, so those evaluations and the state updates between them are not recorded, and from
   then until step N-K starts whatever is computed from those evaluations is not recorded either
-  (:mod:`gradpatch.sampling._window`): the latent entering step N-K has no graph (the initial noise gets
+  (:mod:`gradpatch.sampling.steps.window`): the latent entering step N-K has no graph (the initial noise gets
   no gradient), the conditioning prepared for it has. Gradients equal those
   of a run that detaches the state before step N-K; what the sampler computes before its first step
   (conditioning) and inputs used in the last K steps or after the loop (F5 pastes ``cond`` into the
@@ -26,16 +26,16 @@ options bound that (used with ``cache=False``):
 * ``checkpoint_steps=True``: each denoiser evaluation is recomputed during backward instead of stored
   (through the fixed checkpoint's node, which replays the RNG, so dropout agrees), so saved memory
   grows by about one latent per step instead of one set of activations, at the cost of a second
-  forward per evaluation (:mod:`gradpatch.sampling._step_checkpoint`: gradpatch's block checkpoints
+  forward per evaluation (:mod:`gradpatch.sampling.steps.checkpoint`: gradpatch's block checkpoints
   inside an evaluation run plainly, so nothing is recomputed twice). Gradients equal the plain run's
   (up to the order floating-point contributions are summed). The recompute happens after the
   call returned; it re-enters the call's shadows (:meth:`SamplingRun.active`), so it too sees caches
   off. Never wrap a scheduler's ``step`` this way: schedulers keep state a recompute would advance twice.
 * ``checkpoint_steps="budget:<size>"``: keep the graphs of as many evaluations as fit in ``<size>``
   bytes (``"budget:512MiB"``), measured per evaluation, and recompute the others
-  (:mod:`gradpatch.sampling._step_budget`). Gradients equal the plain run's.
+  (:mod:`gradpatch.sampling.steps.budget`). Gradients equal the plain run's.
 
-ODE samplers (F5-TTS, E2-TTS): :mod:`gradpatch.sampling.ode_sampler`.
+ODE samplers (F5-TTS, E2-TTS): :mod:`gradpatch.sampling.families.ode`.
 """
 from __future__ import annotations
 
@@ -51,9 +51,8 @@ from typing import Any, Callable, ContextManager, Iterator, TypeVar
 import torch
 import torch.utils.checkpoint
 
-from gradpatch.sampling import _step_checkpoint
-from gradpatch.sampling.options import (OPTIONS, SamplingOptions, check_flag, check_keywords,  # noqa: F401
-                                     note_cached_call, sampling_options, swallowed_keywords)
+from gradpatch.sampling.options import SamplingOptions
+from gradpatch.sampling.steps import checkpoint as step_checkpoint
 
 T = TypeVar("T")
 
@@ -65,7 +64,10 @@ class SamplingRun:
     shadows) that hold while it is active, which a checkpoint recompute during backward re-enters."""
 
     options: SamplingOptions
+    family: str = ""  # which family's entry started it (gradpatch.sampling.contract, rule 3)
     evaluations: int = 0
+    joined: bool = False  # a sampler of another family continued this call (contract, rule 3)
+    family_state: Any = field(default=None, repr=False)  # what the family keeps for the call
     budget: Any = field(default=None, repr=False)  # checkpoint_steps="budget:<size>": a StepBudget
     cut: bool = False  # grad_steps: grad is off from the first step until step N-K-1 ends
     fast: bool = True  # checkpoint_steps: evaluations try the fixed checkpoint's node (_step_checkpoint)
@@ -74,7 +76,7 @@ class SamplingRun:
     window: Any = None  # grad_steps: the _window.Window between steps N-K-1 and N-K, while open
 
     def open_window(self, tainted: Any) -> None:
-        from gradpatch.sampling._window import Window
+        from gradpatch.sampling.steps.window import Window
 
         self.window = Window(tainted)
         self.window.__enter__()
@@ -87,7 +89,7 @@ class SamplingRun:
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
         """Make this run current and its scopes hold, for the duration of the block."""
-        token = _current.set(self)
+        token = current.set(self)
         try:
             with contextlib.ExitStack() as stack:
                 for scope in self.scopes:
@@ -95,13 +97,13 @@ class SamplingRun:
                 stack.callback(self.close_window)
                 yield
         finally:
-            _current.reset(token)
+            current.reset(token)
 
     def recomputed(self, fn: Callable[..., T], args: tuple, kwargs: dict) -> T:
-        """``fn(*args, **kwargs)`` recomputed in backward (:mod:`gradpatch.sampling._step_checkpoint`);
+        """``fn(*args, **kwargs)`` recomputed in backward (:mod:`gradpatch.sampling.steps.checkpoint`);
         once an evaluation could not take the fixed checkpoint's node, the rest of the call go straight
         to the hook path."""
-        out, self.fast = _step_checkpoint.recomputed(fn, args, kwargs, self.fast)
+        out, self.fast = step_checkpoint.recomputed(fn, args, kwargs, self.fast)
         return out
 
     def enter(self, stack: contextlib.ExitStack, scope: Callable[[], ContextManager[Any]]) -> None:
@@ -110,12 +112,12 @@ class SamplingRun:
         stack.enter_context(scope())
 
 
-_current: ContextVar[SamplingRun | None] = ContextVar("gradpatch_sampling", default=None)
+current: ContextVar[SamplingRun | None] = ContextVar("gradpatch_sampling", default=None)
 
 
 def active_options() -> SamplingOptions | None:
     """The options of the ``cache=False`` call in progress in this context, if any."""
-    run = _current.get()
+    run = current.get()
     return None if run is None else run.options
 
 
@@ -136,7 +138,7 @@ if hasattr(os, "register_at_fork"):
 
 
 @contextlib.contextmanager
-def _shadow(obj: object, name: str, make: Callable[[Any], Any]) -> Iterator[None]:
+def shadow(obj: object, name: str, make: Callable[[Any], Any]) -> Iterator[None]:
     key = (id(obj), name)
     with _lock:
         entry = _shadows.get(key)
@@ -158,14 +160,14 @@ def _shadow(obj: object, name: str, make: Callable[[Any], Any]) -> Iterator[None
 
 def _keep_mode(model: Any, real_eval: Callable[[], Any]) -> Callable[[], Any]:
     def eval() -> Any:  # noqa: A001 - stands in for Module.eval
-        return model if _current.get() is not None else real_eval()
+        return model if current.get() is not None else real_eval()
 
     return eval
 
 
 def _no_cache(forward: Callable[..., T]) -> Callable[..., T]:
     def call(*args: Any, **kwargs: Any) -> T:
-        if "cache" in kwargs and _current.get() is not None:
+        if "cache" in kwargs and current.get() is not None:
             kwargs["cache"] = False
         return forward(*args, **kwargs)
 
@@ -173,22 +175,24 @@ def _no_cache(forward: Callable[..., T]) -> Callable[..., T]:
 
 
 def _no_clear(clear: Callable[..., Any]) -> Callable[..., Any]:
-    return lambda *args, **kwargs: None if _current.get() is not None else clear(*args, **kwargs)
+    return lambda *args, **kwargs: None if current.get() is not None else clear(*args, **kwargs)
 
 
 @contextlib.contextmanager
-def differentiable(model: object | None, options: SamplingOptions) -> Iterator[SamplingRun]:
-    """Grad on, ``model.eval()`` a no-op and ``options`` active, for the duration of the block.
+def differentiable(model: object | None, options: SamplingOptions | SamplingRun) -> Iterator[SamplingRun]:
+    """Grad on, ``model.eval()`` a no-op and ``options`` (or the run ``options``) active, for the
+    duration of the block; ``model`` may be a list of models.
 
-    Yields the :class:`SamplingRun`. The ``eval`` shadow is an instance attribute of ``model`` only
+    Yields the :class:`SamplingRun`. The ``eval`` shadow is an instance attribute of each model only
     (submodules are untouched) and is removed on exit, also when the block raises.
     """
     if torch.is_inference_mode_enabled():
         raise RuntimeError("cache=False records a graph, which torch.inference_mode() forbids; call the "
                            "sampler outside inference_mode (no_grad is fine: cache=False enables grad)")
-    run = SamplingRun(options)
-    if model is not None:
-        run.scopes.append(functools.partial(_shadow, model, "eval", functools.partial(_keep_mode, model)))
+    run = options if isinstance(options, SamplingRun) else SamplingRun(options)
+    for each in model if isinstance(model, list) else [model]:
+        if each is not None:
+            run.scopes.append(functools.partial(shadow, each, "eval", functools.partial(_keep_mode, each)))
     with run.active(), torch.enable_grad():
         yield run
 
@@ -203,21 +207,21 @@ def text_cache_off(denoiser: object) -> Iterator[None]:
     gradients on it goes stale across backward calls, and a per-step checkpoint recompute reads it
     instead of computing it (``CheckpointError``). Denoisers that take no ``cache`` are unaffected.
     """
-    run = _current.get()
+    run = current.get()
     if run is None or not isinstance(denoiser, torch.nn.Module):
         yield
         return
     with contextlib.ExitStack() as stack:
-        run.enter(stack, functools.partial(_shadow, denoiser, "forward", _no_cache))
+        run.enter(stack, functools.partial(shadow, denoiser, "forward", _no_cache))
         if callable(getattr(denoiser, "clear_cache", None)):
-            run.enter(stack, functools.partial(_shadow, denoiser, "clear_cache", _no_clear))
+            run.enter(stack, functools.partial(shadow, denoiser, "clear_cache", _no_clear))
         yield
 
 
 def recording() -> bool:
     """Whether this context records a graph: grad on, or off only because ``grad_steps`` cut the early
     steps (fixes that run their bodies only while grad is on must keep doing so in those steps)."""
-    run = _current.get()
+    run = current.get()
     return torch.is_grad_enabled() or (run is not None and run.cut)
 
 
@@ -229,7 +233,7 @@ def run_step(step: int, total: int, fn: Callable[..., T], *args: Any, **kwargs: 
     re-enters the run (:meth:`SamplingRun.active`), so it sees the same shadows (e.g. the backbone's
     cache still off) as the forward did.
     """
-    run = _current.get()
+    run = current.get()
     if run is None or not (torch.is_grad_enabled() or run.cut):
         return fn(*args, **kwargs)
     run.evaluations += 1
@@ -238,7 +242,7 @@ def run_step(step: int, total: int, fn: Callable[..., T], *args: Any, **kwargs: 
     if step < first:
         # Not recorded: this step's evaluations and the state updates after them. Grad resumes when
         # the last evaluation of step N-K-1 returns; until step N-K starts, what is computed from the
-        # cut evaluations stays unrecorded (gradpatch.sampling._window), so the latent entering step N-K
+        # cut evaluations stays unrecorded (gradpatch.sampling.steps.window), so the latent entering step N-K
         # has no graph (DRaFT-K) while the conditioning prepared for it has.
         run.close_window()
         torch._C._set_grad_enabled(False)
@@ -255,24 +259,15 @@ def run_step(step: int, total: int, fn: Callable[..., T], *args: Any, **kwargs: 
         run.cut = False
     if options.checkpoint_steps:
         def replay(*args: Any, **kwargs: Any) -> T:  # the recompute in backward runs outside the call
-            if _current.get() is run:
+            if current.get() is run:
                 return fn(*args, **kwargs)
             with run.active():
                 return fn(*args, **kwargs)
 
         if options.step_budget is not None:
-            from gradpatch.sampling import _step_budget
+            from gradpatch.sampling.steps import budget as step_budget
 
-            run.budget = run.budget or _step_budget.StepBudget(options.step_budget)
-            return _step_budget.evaluate(run.budget, replay, args, kwargs, run.recomputed)
+            run.budget = run.budget or step_budget.StepBudget(options.step_budget)
+            return step_budget.evaluate(run.budget, replay, args, kwargs, run.recomputed)
         return run.recomputed(replay, args, kwargs)
     return fn(*args, **kwargs)
-
-
-def _with_keywords(signature: inspect.Signature) -> inspect.Signature:
-    params = list(signature.parameters.values())
-    extra = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)
-             for name, default, annotation in (("cache", True, "bool"), ("grad_steps", None, "int | None"),
-                                               ("checkpoint_steps", False, "bool | str"))]
-    at = next((i for i, p in enumerate(params) if p.kind is inspect.Parameter.VAR_KEYWORD), len(params))
-    return signature.replace(parameters=params[:at] + extra + params[at:])

@@ -4,7 +4,7 @@ Installing walks ``DiffusionPipeline``'s subclasses and gives it an ``__init_sub
 defined later (lazily imported, community, your own) are patched when created. A class whose *own*
 ``__call__`` is ``@torch.no_grad()`` (recognised by the code object of torch's decorator and the
 ``no_grad`` in its closure, not by name) gets a ``__call__`` that also takes, keyword-only,
-``cache: bool = True``, ``grad_steps``, ``checkpoint_steps`` (see :mod:`gradpatch.sampling.runner`):
+``cache: bool = True``, ``grad_steps``, ``checkpoint_steps`` (see :mod:`gradpatch.sampling.run`):
 
 * ``cache=True`` calls the original object: same code path, bitwise-equal outputs.
 * ``cache=False`` runs the undecorated body with gradients on. ``output_type`` must be ``"pt"`` or
@@ -18,10 +18,10 @@ defined later (lazily imported, community, your own) are patched when created. A
   A sub-pipeline or ``super().__call__`` reached from the body without ``cache=`` continues the graph.
 * ``grad_steps``/``checkpoint_steps``: for the call, the ``forward`` of each denoiser component (named
   ``unet``, ``transformer``, ``prior``, ``controlnet``, optionally ``_<n>``) is wrapped so each
-  evaluation goes through :func:`~gradpatch.sampling.runner.run_step` (no such component: an error,
+  evaluation goes through :func:`~gradpatch.sampling.run.run_step` (no such component: an error,
   not a silent no-op); ``scheduler.step`` is never inside a checkpoint. Wrappers live on the
   instances for the call: one pipeline instance must not run two such calls concurrently. How a
-  call's step is located: :mod:`gradpatch.sampling.diffusers_run`.
+  call's step is located: :mod:`gradpatch.sampling.families.diffusers_run`.
 
 Left alone unless ``cache=False`` is asked for (then :class:`NotDifferentiableError`): ONNX pipelines,
 classes whose own ``__call__`` is not ``no_grad``-decorated, and cache hooks that rewired the model
@@ -39,40 +39,24 @@ from typing import Any, Callable
 import torch
 
 from gradpatch.errors import NotDifferentiableError, RevertWarning, complain
-from gradpatch.sampling.diffusers_run import differentiable_run, in_call, inside
-from gradpatch.sampling._bytecode import grad_mode_wrapper
-from gradpatch.sampling.options import (check_flag, check_keywords, note_cached_call, sampling_options,
-                                        step_budget, swallowed_keywords)
-from gradpatch.sampling.runner import active_options, recording
+from gradpatch.sampling.contract import accepted_keywords, sampler_entry
+from gradpatch.sampling.families.diffusers_run import differentiable_run, in_call
+from gradpatch.sampling.lifting.bytecode import no_grad_body
+from gradpatch.sampling.run import SamplingRun, recording
+
+FAMILY = "diffusers"
 
 __all__ = ["NotDifferentiableError", "guard_modular_call", "no_grad_body", "patch_pipeline_hierarchy"]
 
-_NEW = ("cache", "grad_steps", "checkpoint_steps")
 _HELPER = re.compile(r"_?(encode|decode|vae_decode)")
-def no_grad_body(fn: object) -> Callable[..., Any] | None:
-    """The function under ``@torch.no_grad()`` if ``fn`` is exactly that decorator's wrapper, else None."""
-    if not grad_mode_wrapper(fn) or not hasattr(fn, "__wrapped__"):
-        return None
-    cells = {name: cell.cell_contents for name, cell in zip(fn.__code__.co_freevars, fn.__closure__)}  # type: ignore[attr-defined]
-    no_grad = isinstance(getattr(cells.get("ctx_factory"), "__self__", None), torch.no_grad)  # a bound clone
-    body = cells.get("func")
-    # torch wraps a generator function in generator_context, anything else in decorate_context: only
-    # the latter is a pipeline's no_grad __call__.
-    return body if no_grad and body is fn.__wrapped__ and not inspect.isgeneratorfunction(body) else None  # type: ignore[attr-defined]
 
 
-def _signature(original: Callable[..., Any]) -> inspect.Signature | None:
-    """The original parameters plus the three keyword-only ones (before ``**kwargs``), for help()/IDEs."""
-    P = inspect.Parameter
-    new = [P(name, P.KEYWORD_ONLY, default=default, annotation=annotation) for name, default, annotation
-           in (("cache", True, bool), ("grad_steps", None, "int | None"), ("checkpoint_steps", False, "bool | str"))]
+def _readable(function: Callable[..., Any]) -> bool:
     try:
-        sig = inspect.signature(original)
-        params = [p for p in sig.parameters.values() if p.name not in _NEW]
-        tail = [p for p in params if p.kind is P.VAR_KEYWORD]
-        return sig.replace(parameters=[p for p in params if p not in tail] + new + tail)
+        inspect.signature(function)
     except (TypeError, ValueError):
-        return None
+        return False
+    return True
 
 
 def _check_output_type(body: Callable[..., Any], pipe: object, args: tuple, kwargs: dict) -> None:
@@ -89,51 +73,22 @@ def _check_output_type(body: Callable[..., Any], pipe: object, args: tuple, kwar
 
 
 def _differentiable_call(original: Callable[..., Any], body: Callable[..., Any]) -> Callable[..., Any]:
-    accepted = swallowed_keywords(body)
+    def run(this: SamplingRun, outer: SamplingRun | None, args: tuple, kwargs: dict) -> Any:
+        pipe = args[0]
+        if outer is not None and in_call(pipe):  # super().__call__ from a subclass's body: already set up
+            return body(*args, **kwargs)
+        _check_output_type(body, pipe, args[1:], kwargs)
+        with differentiable_run(pipe, this):
+            return body(*args, **kwargs)
 
-    @functools.wraps(original)
-    def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
-        explicit = "cache" in kwargs
-        cache = kwargs.pop("cache", True)
-        grad_steps, checkpoint_steps = kwargs.pop("grad_steps", None), kwargs.pop("checkpoint_steps", False)
-        check_keywords(kwargs, accepted, f"{type(self).__name__}.__call__")
-        outer = active_options()
-        if not explicit and grad_steps is None and not checkpoint_steps and outer is not None and inside.get():
-            if in_call(self):  # super().__call__ from a subclass's body: already set up
-                return body(self, *args, **kwargs)
-            cache, options = False, outer  # a sub-pipeline of a cache=False call continues its graph
-        else:
-            options = sampling_options(cache, grad_steps, checkpoint_steps)
-        if cache:
-            note_cached_call(f"{type(self).__name__}.__call__", self)
-            return original(self, *args, **kwargs)
-        _check_output_type(body, self, args, kwargs)
-        with differentiable_run(self, options):
-            return body(self, *args, **kwargs)
-
-    __call__.__signature__ = _signature(original)  # type: ignore[attr-defined]
-    return __call__
+    return sampler_entry(original, run, family=FAMILY, describe=lambda args: f"{type(args[0]).__name__}.__call__",
+                         accepted=accepted_keywords(body),
+                         expected="no denoiser evaluation went through gradpatch's run_step")
 
 
 def _guarded_call(original: Callable[..., Any], reason: str) -> Callable[..., Any]:
-    accepted = swallowed_keywords(original)
-
-    @functools.wraps(original)
-    def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
-        # Without this, ``**kwargs`` in many signatures would swallow cache=False silently.
-        if "cache" in kwargs:
-            check_flag("cache", kwargs["cache"])
-        if "checkpoint_steps" in kwargs:
-            step_budget(kwargs["checkpoint_steps"])
-        if kwargs.get("cache", True) is False or kwargs.get("grad_steps") is not None \
-                or kwargs.get("checkpoint_steps") or ("cache" not in kwargs and inside.get()):
-            raise NotDifferentiableError(f"{type(self).__name__} cannot run with cache=False: {reason}")
-        for name in _NEW:
-            kwargs.pop(name, None)
-        check_keywords(kwargs, accepted, f"{type(self).__name__}.__call__")
-        return original(self, *args, **kwargs)
-
-    return __call__
+    return sampler_entry(original, None, family=FAMILY, describe=lambda args: f"{type(args[0]).__name__}",
+                         refusal=reason)
 
 
 def _helper(original: Callable[..., Any], body: Callable[..., Any]) -> Callable[..., Any]:
@@ -165,8 +120,7 @@ class _Hierarchy:
 
     def patch_class(self, cls: type) -> None:
         original = vars(cls).get("__call__")
-        sig = _signature(original) if inspect.isfunction(original) else None
-        if sig is not None and "cache" not in inspect.signature(original).parameters \
+        if inspect.isfunction(original) and _readable(original) and "cache" not in inspect.signature(original).parameters \
                 and not hasattr(original, "__gradpatch_original__"):  # a __call__ with its own ``cache``: theirs
             body = None if getattr(cls, "_is_onnx", False) else no_grad_body(original)
             reason = "ONNX pipelines run numpy" if getattr(cls, "_is_onnx", False) else \

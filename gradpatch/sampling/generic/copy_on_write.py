@@ -33,7 +33,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from gradpatch.errors import NotDifferentiableError
-from gradpatch.sampling import runner as _sampling
+from gradpatch.sampling import run as sampling_run
 
 _AUGMENTED = {"__iadd__": "__add__", "__isub__": "__sub__", "__imul__": "__mul__", "__itruediv__": "__truediv__",
               "__ifloordiv__": "__floordiv__", "__imod__": "__mod__", "__ipow__": "__pow__",
@@ -119,7 +119,7 @@ class CopyOnWrite(TorchFunctionMode):
             self._protect(args[0])
             target = args[0]
             if isinstance(target, torch.Tensor) and target.requires_grad and target._base is None \
-                    and not torch.is_grad_enabled() and getattr(_sampling._current.get(), "cut", False):
+                    and not torch.is_grad_enabled() and getattr(sampling_run.current.get(), "cut", False):
                 target.detach_()  # grad_steps: a state updated in place in an early step leaves the graph
         out = kwargs.get("out")
         if out is not None:

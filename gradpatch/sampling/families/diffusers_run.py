@@ -1,10 +1,10 @@
 """One ``cache=False`` run of a diffusers pipeline: grad mode, cache hooks, denoiser steps.
 
-:func:`differentiable_run` is what :mod:`gradpatch.sampling.diffusers` enters around a pipeline's
+:func:`differentiable_run` is what :mod:`gradpatch.sampling.families.diffusers` enters around a pipeline's
 undecorated ``__call__`` body: grad on and ``eval()`` a no-op on every component
-(:func:`gradpatch.sampling.runner.differentiable`), cache hooks passed through, and, for
+(:func:`gradpatch.sampling.run.differentiable`), cache hooks passed through, and, for
 ``grad_steps``/``checkpoint_steps``, each denoiser ``forward`` routed through
-:func:`gradpatch.sampling.runner.run_step` at the step it belongs to.
+:func:`gradpatch.sampling.run.run_step` at the step it belongs to.
 
 Step index. A loop runs over ``scheduler.timesteps`` or a suffix of it (img2img strength), calls
 ``scheduler.step`` once per iteration and the denoisers one or more times (split CFG, controlnet;
@@ -29,7 +29,7 @@ import torch
 
 from gradpatch.errors import NotDifferentiableError
 from gradpatch.sampling.options import SamplingOptions
-from gradpatch.sampling.runner import differentiable, run_step
+from gradpatch.sampling.run import SamplingRun, differentiable, run_step
 
 _DENOISER = re.compile(r"(unet|transformer|prior|controlnet)(_\d+)?")
 _CACHE_HOOK_MODULES = frozenset(f"diffusers.hooks.{name}" for name in (
@@ -149,8 +149,10 @@ class _Steps:
 
 
 @contextlib.contextmanager
-def differentiable_run(pipe: Any, options: SamplingOptions) -> Iterator[None]:
-    """The context of one ``cache=False`` call of ``pipe`` (module docstring); restores everything."""
+def differentiable_run(pipe: Any, run: SamplingRun) -> Iterator[None]:
+    """The context of one ``cache=False`` call of ``pipe`` under ``run`` (module docstring); restores
+    everything."""
+    options = run.options
     named = {name: m for name, m in vars(pipe).items() if isinstance(m, torch.nn.Module)}
     modules = list({id(m): m for m in named.values()}.values())
     refs = _cache_hook_refs(modules)
@@ -174,8 +176,7 @@ def differentiable_run(pipe: Any, options: SamplingOptions) -> Iterator[None]:
         raise NotDifferentiableError(f"grad_steps/checkpoint_steps: {steps.name} has no denoiser component "
                                      f"named like {_DENOISER.pattern} (it has {sorted(named)})")
     with contextlib.ExitStack() as stack:
-        for module in modules or [None]:
-            stack.enter_context(differentiable(module, options))  # grad on, eval() a no-op per module
+        stack.enter_context(differentiable(modules, run))  # grad on, eval() a no-op per module
         stack.enter_context(_bypassed(refs))
         if steps is not None:
             if callable(getattr(steps.scheduler, "step", None)):

@@ -1,9 +1,10 @@
-"""What a code object is: whether two are the same program (:mod:`gradpatch.sampling.lift` checks that
+"""What a code object is: whether two are the same program (:mod:`gradpatch.sampling.lifting.lift` checks that
 a function's source on disk is the code that was loaded), and whether a function is torch's grad-mode
-decorator wrapper (lift and :mod:`gradpatch.sampling.diffusers` look through it). No torch import."""
+decorator wrapper (lift and :mod:`gradpatch.sampling.families.diffusers` look through it). No torch import."""
 from __future__ import annotations
 
 from types import CodeType
+from typing import Any, Callable
 
 
 def _instructions(code: CodeType) -> list[tuple[str, object]]:
@@ -58,3 +59,18 @@ def grad_mode_wrapper(fn: object) -> bool:
     code = getattr(fn, "__code__", None)
     return (isinstance(code, CodeType) and code.co_freevars == ("ctx_factory", "func")
             and code.co_filename.replace("\\", "/").endswith("torch/utils/_contextlib.py"))
+
+
+def no_grad_body(fn: object) -> Callable[..., Any] | None:
+    """The function under ``@torch.no_grad()`` if ``fn`` is exactly that decorator's wrapper, else None."""
+    if not grad_mode_wrapper(fn) or not hasattr(fn, "__wrapped__"):
+        return None
+    import inspect
+
+    import torch  # imported already: fn is torch's decorator wrapper
+    cells = {name: cell.cell_contents for name, cell in zip(fn.__code__.co_freevars, fn.__closure__)}  # type: ignore[attr-defined]
+    no_grad = isinstance(getattr(cells.get("ctx_factory"), "__self__", None), torch.no_grad)  # a bound clone
+    body = cells.get("func")
+    # torch wraps a generator function in generator_context, anything else in decorate_context: only
+    # the latter is a pipeline's no_grad __call__.
+    return body if no_grad and body is fn.__wrapped__ and not inspect.isgeneratorfunction(body) else None  # type: ignore[attr-defined]

@@ -2,14 +2,14 @@
 SD2, ControlNet, PyPI stable-diffusion-sdkit; ``audioldm_train.modules.latent_diffusion.dpm_solver``).
 
 ``DPMSolverSampler.sample`` is an ordinary ``@torch.no_grad()`` entry point (declared with
-:func:`gradpatch.sampling.ldm.entry`). Its body wraps ``self.model.apply_model`` in a model
+:func:`gradpatch.sampling.families.ldm.entry`). Its body wraps ``self.model.apply_model`` in a model
 function (``model_wrapper``: classifier-free guidance as one batched call) and hands it to
 ``DPM_Solver(model_fn, ...).sample``, whose body runs every solver method inside
 ``with torch.no_grad():`` blocks, so unwrapping the entry point alone still gives no graph.
 
 :func:`solver_sample` is the fix for ``DPM_Solver.sample``. Outside a ``cache=False`` call of the family
-(see :mod:`gradpatch.sampling.ldm`) it is the original. Inside one it runs the copy with those
-blocks lifted (:func:`gradpatch.sampling.lift.lift_no_grad`), and a step is one call of the solver's model
+(see :mod:`gradpatch.sampling.families.ldm`) it is the original. Inside one it runs the copy with those
+blocks lifted (:func:`gradpatch.sampling.lifting.lift.lift_no_grad`), and a step is one call of the solver's model
 function (``DPM_Solver.model``, the function it was constructed with): while such a call runs, the
 family's per-step machinery knows how many calls are left after it, so ``grad_steps=K`` builds the
 graph for the last K calls only and ``checkpoint_steps=True`` recomputes each ``apply_model``
@@ -29,8 +29,8 @@ import functools
 import inspect
 from typing import Any, Callable
 
-from gradpatch.sampling.ldm import _active, at_step
-from gradpatch.sampling.lift import lift_no_grad
+from gradpatch.sampling.families.ldm import active_run, at_step
+from gradpatch.sampling.lifting.lift import lift_no_grad
 
 COUNTED_METHODS = ("multistep", "singlestep")
 """``DPM_Solver.sample`` methods whose number of model-function calls is ``steps`` (+1 with
@@ -45,7 +45,7 @@ def solver_sample(original: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(original)
     def sample(self: Any, *args: Any, **kwargs: Any) -> Any:
-        run = _active()
+        run = active_run()
         if run is None:
             return original(self, *args, **kwargs)
         bound = signature.bind(self, *args, **kwargs)

@@ -35,7 +35,7 @@ the patch's record. This is also how an unknown version of a catalogued target i
   ``functools.wraps``-based, such as imagen's ``eval_decorator``), in-body ``with`` blocks and
   ``torch.set_grad_enabled(False)``, generators that ``yield`` inside a grad-off block (the caller's
   code between items runs in the caller's own grad mode). Nothing is rewritten: torch's managers do
-  nothing when the sampler's code enters them (:mod:`gradpatch.sampling._gradoff`).
+  nothing when the sampler's code enters them (:mod:`gradpatch.sampling.generic.gradoff`).
 * The networks it calls run as written: inside a module's ``forward`` a ``no_grad`` (a deliberate
   stop-gradient, a renormalisation) stays. A ``forward`` that is itself decorated grad-off is treated
   as sampler code (Matcha's ``CFM.forward`` is a sampler); pass such a frozen network's output
@@ -45,7 +45,7 @@ the patch's record. This is also how an unknown version of a catalogued target i
   of the sampler's object and of ``step`` are put back on exit: the caller's modes hold. A module the
   call attaches to them (imagen rebuilds ``self.unets``) takes its parent's mode.
 * In-place writes (``x_in[:B] = x``, ``x += v * dt``) give the gradients of the out-of-place
-  computation (:mod:`gradpatch.sampling._inplace`, copy on write of tensors saved for backward).
+  computation (:mod:`gradpatch.sampling.generic.copy_on_write`, copy on write of tensors saved for backward).
 * Inference tensors never leak out: they are cloned into normal tensors in what the call returns or
   yields, and in what ``step`` returns.
 
@@ -80,7 +80,7 @@ raise ``CheckpointError``. Turn such caches off for the call (the catalogued F5 
 **In the catalogue.** A codebase entry in ``patches/`` declares a sampler made differentiable this way
 with :func:`sampler` as its fix (recognised by fingerprint like any other)::
 
-    from gradpatch.sampling.any_sampler import sampler
+    from gradpatch.sampling.generic.any_sampler import sampler
     from gradpatch.patching.fingerprint import Fingerprints
     from gradpatch.patching.registry import Patch
 
@@ -128,7 +128,7 @@ class _Fixes:
         step, steps = (unquote(options[k]) or None for k in ("step", "steps"))
 
         def factory(original: object) -> object:
-            from gradpatch.sampling.generic import patched
+            from gradpatch.sampling.generic.call import patched
 
             return patched(original, step, steps, where=_name(original))
 
@@ -194,7 +194,7 @@ def differentiable(target: Any, step: Any = None, steps: Any = None) -> Any:
                              f"made differentiable on request (step={step}, steps={steps})"))
     if not callable(target):
         raise TypeError(f"gradpatch.differentiable: {target!r} is neither callable nor 'module:Qual.name'")
-    from gradpatch.sampling.generic import make
+    from gradpatch.sampling.generic.call import make
 
     return make(target, step, steps, cache=False)
 

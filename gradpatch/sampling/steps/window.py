@@ -1,5 +1,5 @@
 """The moment ``grad_steps`` resumes recording: between the last evaluation of step N-K-1 and the first
-of step N-K (see :func:`gradpatch.sampling.runner.run_step`).
+of step N-K (see :func:`gradpatch.sampling.run.run_step`).
 
 Grad comes back on when step N-K-1's last evaluation returns, so that what the sampler prepares for
 step N-K (``c_in = torch.cat([uc, c])``, ``mu_in[0] = mu``) records the conditioning's graph. But the
@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from gradpatch.sampling._values import tensors as _all_tensors
+from gradpatch.sampling.values import tensors as _all_tensors
 
 
 _IN_PLACE = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",

@@ -11,7 +11,7 @@ one of these factories:
 ``LatentDiffusion.sample``/``p_sample_loop``/``sample_log``/``decode_first_stage``/...)
     Adds keyword-only ``cache: bool = True``, ``grad_steps=None``, ``checkpoint_steps=False``.
     ``cache=True`` calls the original decorated method: upstream's call, bitwise the same outputs.
-    ``cache=False`` runs the undecorated body under :func:`gradpatch.sampling.runner.differentiable`:
+    ``cache=False`` runs the undecorated body under :func:`gradpatch.sampling.run.differentiable`:
     grad on (also under an outer ``no_grad``), the diffusion model's ``eval()`` a no-op (modes as the
     caller set them). While it runs, every method declared ``inner``/``step_*`` runs its undecorated
     body too, and an entry point reached from the body *without* ``cache=`` (``sample_log`` creating a
@@ -21,8 +21,8 @@ one of these factories:
     when ``grad_steps``/``checkpoint_steps`` were asked for but no denoiser evaluation went through them.
 ``lifted_entry``
     ``entry`` for a method whose body holds ``with torch.no_grad():`` (audioldm2's
-    ``decode_first_stage``): ``cache=False`` runs :func:`gradpatch.sampling.lift.lift_no_grad`'s copy. Recognise
-    it with :class:`gradpatch.sampling.lift.Liftable` so a source that cannot be lifted is skipped and reported.
+    ``decode_first_stage``): ``cache=False`` runs :func:`gradpatch.sampling.lifting.lift.lift_no_grad`'s copy. Recognise
+    it with :class:`gradpatch.sampling.lifting.lift.Liftable` so a source that cannot be lifted is skipped and reported.
 ``inner`` (``ddim_sampling``, ``plms_sampling``, ``get_input``, ...)
     The original, except inside a ``cache=False`` call with grad enabled, where the undecorated body.
 ``step_by_index`` / ``step_by_timestep`` (``p_sample_ddim``, ``p_sample_plms``; ``p_sample``)
@@ -31,7 +31,7 @@ one of these factories:
     ``index`` argument for DDIM/PLMS (upstream passes ``total_steps - i - 1``, whatever S+1 count its
     schedule produced), the ``t`` argument for ancestral sampling (``reversed(range(T))``).
 ``refuse_cache_false``, ``guard_ema_scope``, ``buffers_follow_model``
-    In :mod:`gradpatch.sampling.ldm_guards`: ``generate_sample*`` refuse ``cache=False``; EMA weight
+    In :mod:`gradpatch.sampling.families.ldm_guards`: ``generate_sample*`` refuse ``cache=False``; EMA weight
     swaps and ``cache=False`` graphs exclude each other; sampler buffers follow the model's device.
 ``step_factory``, ``at_step``
     For step boundaries with other signatures (a fix module defines ``my_step = step_factory(...)``).
@@ -39,7 +39,7 @@ one of these factories:
 Memory options. With ``grad_steps``/``checkpoint_steps``, for the duration of the call, the model's
 ``apply_model`` (``model.model.forward`` for a pixel-space ``DDPM`` without one) is shadowed on the
 instance, in the caller's context only, so that each evaluation made inside a step goes through
-:func:`gradpatch.sampling.runner.run_step`: ``grad_steps=K`` runs the evaluations of every step with
+:func:`gradpatch.sampling.run.run_step`: ``grad_steps=K`` runs the evaluations of every step with
 K or more steps left under ``no_grad`` (the last K build the graph); ``checkpoint_steps=True``
 recomputes each evaluation in backward. Only the network evaluation is inside the recomputed region:
 the update of ``x``, PLMS's ``old_eps``, classifier-free guidance's combination and the schedules
@@ -58,21 +58,18 @@ from typing import Any, Callable, Iterator
 import torch
 
 from gradpatch.errors import NotDifferentiableError
-from gradpatch.sampling._ldm_uncovered import warn_uncovered
-from gradpatch.sampling.diffusers import no_grad_body
-from gradpatch.sampling.options import note_cached_call
-from gradpatch.sampling.runner import (SamplingOptions, SamplingRun, _current, _shadow, _with_keywords,
-                                      check_keywords, differentiable, recording, run_step, sampling_options,
-                                      swallowed_keywords)
+from gradpatch.sampling.families.ldm_uncovered import warn_uncovered
+from gradpatch.sampling.lifting.bytecode import no_grad_body
+from gradpatch.sampling.contract import accepted_keywords, sampler_entry
+from gradpatch.sampling.run import SamplingRun, current, differentiable, recording, run_step, shadow
 
-_UNSET: Any = object()
-_run: ContextVar[SamplingRun | None] = ContextVar("gradpatch_ldm_run", default=None)
 _steps_left: ContextVar[Callable[[], int] | None] = ContextVar("gradpatch_ldm_step", default=None)
 
 # Models in a cache=False call, and models inside an EMA scope that swapped weights: id -> count.
 _lock = threading.Lock()
-_sampling: dict[int, int] = {}
-_in_ema: dict[int, int] = {}
+sampling_models: dict[int, int] = {}
+ema_models: dict[int, int] = {}
+FAMILY = "ldm"
 
 EMA_MESSAGE = (
     "{what} while {model}.ema_scope() is active: ema_scope swaps the EMA weights in with .data.copy_ "
@@ -83,10 +80,10 @@ EMA_MESSAGE = (
 )
 
 
-def _active() -> SamplingRun | None:
-    """The ``cache=False`` call of this family in progress in this context, if grad is on."""
-    run = _run.get()
-    return run if run is not None and run is _current.get() and recording() else None
+def active_run() -> SamplingRun | None:
+    """The ``cache=False`` call of this family in progress in this context, if it records a graph."""
+    run = current.get()
+    return run if run is not None and run.family == FAMILY and recording() else None
 
 
 def _diffusion_model(obj: Any) -> Any:
@@ -111,8 +108,8 @@ def _denoiser(model: Any) -> tuple[Any, str] | None:
 
 def _stepped(real: Callable[..., Any]) -> Callable[..., Any]:
     def evaluate(*args: Any, **kwargs: Any) -> Any:
-        left, run = _steps_left.get(), _run.get()
-        if left is None or run is None or run is not _current.get():
+        left, run = _steps_left.get(), current.get()
+        if left is None or run is None or run.family != FAMILY:
             return real(*args, **kwargs)  # outside a step, or a cache=True call in another context
         remaining = left() if run.options.grad_steps is not None else 0
         return run_step(0, remaining + 1, real, *args, **kwargs)  # no_grad iff remaining >= grad_steps
@@ -121,7 +118,7 @@ def _stepped(real: Callable[..., Any]) -> Callable[..., Any]:
 
 
 @contextlib.contextmanager
-def _counted(table: dict[int, int], key: int) -> Iterator[None]:
+def counted(table: dict[int, int], key: int) -> Iterator[None]:
     with _lock:
         table[key] = table.get(key, 0) + 1
     try:
@@ -134,60 +131,39 @@ def _counted(table: dict[int, int], key: int) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _current_call(run: SamplingRun) -> Iterator[None]:
-    token = _run.set(run)
-    try:
-        yield
-    finally:
-        _run.reset(token)
-
-
-@contextlib.contextmanager
-def _differentiable_call(owner: Any, name: str, options: SamplingOptions) -> Iterator[SamplingRun]:
+def _differentiable_call(owner: Any, name: str, run: SamplingRun) -> Iterator[SamplingRun]:
     model = _diffusion_model(owner)
-    if model is not None and id(model) in _in_ema:
+    if model is not None and id(model) in ema_models:
         raise RuntimeError(EMA_MESSAGE.format(what=f"{type(owner).__name__}.{name}(cache=False)",
                                               model=type(model).__name__))
     for obj in {id(owner): owner, id(model): model}.values():
         warn_uncovered(obj)
+    options = run.options
     with contextlib.ExitStack() as stack:
-        run = stack.enter_context(differentiable(model, options))
-        run.enter(stack, functools.partial(_current_call, run))  # also inside a checkpoint's recompute
+        stack.enter_context(differentiable(model, run))
         if model is not None:
-            stack.enter_context(_counted(_sampling, id(model)))
+            stack.enter_context(counted(sampling_models, id(model)))
         if options.grad_steps is not None or options.checkpoint_steps:
             where = _denoiser(model)
             if where is None:
                 raise NotDifferentiableError(f"grad_steps/checkpoint_steps: {type(owner).__name__} has no "
                                              "diffusion model with apply_model or a model.model network")
-            run.enter(stack, functools.partial(_shadow, *where, _stepped))
+            run.enter(stack, functools.partial(shadow, *where, _stepped))
         yield run
 
 
 def _entry(original: Callable[..., Any], body: Callable[..., Any]) -> Callable[..., Any]:
     name = getattr(original, "__name__", "method")
-    accepted = swallowed_keywords(body)
 
-    @functools.wraps(original)
-    def method(self: Any, *args: Any, cache: bool = _UNSET, grad_steps: int | None = None,
-               checkpoint_steps: bool = False, **kwargs: Any) -> Any:
-        check_keywords(kwargs, accepted, f"{type(self).__name__}.{name}")
-        if cache is _UNSET and grad_steps is None and not checkpoint_steps and _active() is not None:
-            return body(self, *args, **kwargs)  # reached from a cache=False call: continue its graph
-        options = sampling_options(True if cache is _UNSET else cache, grad_steps, checkpoint_steps)
-        if cache is _UNSET or cache:
-            note_cached_call(f"{type(self).__name__}.{name}", self)
-            return original(self, *args, **kwargs)
-        with _differentiable_call(self, name, options) as run:
-            out = body(self, *args, **kwargs)
-        if (grad_steps is not None or checkpoint_steps) and run.evaluations == 0:
-            raise RuntimeError(f"{type(self).__name__}.{name}: grad_steps/checkpoint_steps had no effect: no "
-                               "denoiser evaluation happened inside a sampling step of this call")
-        return out
+    def run(this: SamplingRun, outer: SamplingRun | None, args: tuple, kwargs: dict) -> Any:
+        if outer is not None and outer.family == FAMILY:
+            return body(*args, **kwargs)  # reached from a cache=False call of this family: continue its graph
+        with _differentiable_call(args[0], name, this):
+            return body(*args, **kwargs)
 
-    method.__signature__ = _with_keywords(inspect.signature(original))  # type: ignore[attr-defined]
-    method.__wrapped__ = original  # type: ignore[attr-defined]
-    return method
+    return sampler_entry(original, run, family=FAMILY, describe=lambda args: f"{type(args[0]).__name__}.{name}",
+                         accepted=accepted_keywords(body),
+                         expected="no denoiser evaluation happened inside a sampling step of this call")
 
 
 def _decorated_body(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -207,7 +183,7 @@ def entry(original: Callable[..., Any]) -> Callable[..., Any]:
 def lifted_entry(original: Callable[..., Any]) -> Callable[..., Any]:
     """Fix factory: an entry point whose body has an in-body ``with torch.no_grad():``; ``cache=False``
     runs the lifted copy (decorators, if any, are not re-applied: the copy is the undecorated body)."""
-    from gradpatch.sampling.lift import lift_no_grad
+    from gradpatch.sampling.lifting.lift import lift_no_grad
 
     return _entry(original, lift_no_grad(original))
 
@@ -245,7 +221,7 @@ def step_factory(steps_left: Callable[[inspect.BoundArguments], int] | None) -> 
 
         @functools.wraps(original)
         def method(self: Any, *args: Any, **kwargs: Any) -> Any:
-            if _active() is None:
+            if active_run() is None:
                 return original(self, *args, **kwargs)
             if steps_left is None:
                 return body(self, *args, **kwargs)

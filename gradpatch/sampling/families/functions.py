@@ -3,10 +3,10 @@
 k-diffusion's ``k_diffusion.sampling.sample_*`` (and the copy stable-audio-tools vendors) and
 stable-audio-tools' own samplers take the denoiser as their first argument, ``model``, and step through
 a schedule in one loop, ``for i in trange(len(sigmas) - 1)`` (or ``tqdm(...)``). The fix gives each
-one the interface of :mod:`gradpatch.sampling.runner`, keyword-only:
+one the interface of :mod:`gradpatch.sampling.run`, keyword-only:
 
 * ``cache=True`` (default): the original function, called as it is (no graph, bitwise-equal output).
-* ``cache=False``: the undecorated body inside :func:`~gradpatch.sampling.runner.differentiable`
+* ``cache=False``: the undecorated body inside :func:`~gradpatch.sampling.run.differentiable`
   (gradients on, also under an outer ``no_grad``; ``inference_mode`` refused). Gradients reach the
   denoiser's parameters and every differentiable input (``x``, tensors in ``extra_args``). The
   caller's train/eval modes are kept: these samplers never call ``eval()``.
@@ -19,7 +19,7 @@ one the interface of :mod:`gradpatch.sampling.runner`, keyword-only:
 * ``checkpoint_steps=True``: each denoiser evaluation is recomputed in backward instead of stored.
 
 How the step is known. For a call with ``grad_steps``, the ``model`` argument is replaced by a wrapper
-that runs each evaluation through :func:`~gradpatch.sampling.runner.run_step`, and the progress-bar
+that runs each evaluation through :func:`~gradpatch.sampling.run.run_step`, and the progress-bar
 globals of the sampler's module (``trange``, ``tqdm``) are shadowed, for the call and in the caller's
 context only, by versions that record the loop index as the loop runs and the loop's length when it
 starts (a ``zip`` with no length is read into a list first). Matching sigma values would misattribute
@@ -53,12 +53,11 @@ from typing import Any, Callable, Iterator, TypeVar
 
 import torch
 
-from gradpatch.sampling.options import note_cached_call
-from gradpatch.sampling.runner import (SamplingOptions, _shadow, _with_keywords, active_options, check_keywords,
-                                      differentiable, run_step, sampling_options, swallowed_keywords)
+from gradpatch.sampling.contract import sampler_entry
+from gradpatch.sampling.options import SamplingOptions
+from gradpatch.sampling.run import differentiable, run_step, shadow
 
 T = TypeVar("T")
-_UNSET: Any = object()
 _PROGRESS = ("trange", "tqdm")  # the loop helpers these samplers iterate over
 
 
@@ -155,26 +154,16 @@ def _sampler(original: Callable[..., T], *, adaptive: bool) -> Callable[..., T]:
     name = f"{raw.__module__}.{raw.__qualname__}"
     module = sys.modules.get(raw.__module__)
     progress = tuple(n for n in _PROGRESS if callable(getattr(module, n, None)))
-    accepted = swallowed_keywords(raw)
 
-    @functools.wraps(original)
-    def sample(*args: Any, cache: bool = _UNSET, grad_steps: int | None = None, checkpoint_steps: bool = False,
-               **kwargs: Any) -> T:
-        check_keywords(kwargs, accepted, name)
-        outer = active_options()
-        follow = cache is _UNSET and grad_steps is None and not checkpoint_steps and outer is not None
-        options = outer if follow else sampling_options(True if cache is _UNSET else cache, grad_steps,
-                                                        checkpoint_steps)
-        if not follow and (cache is _UNSET or cache):
-            note_cached_call(name, args[0] if args else kwargs.get("model"))
-            return original(*args, **kwargs)
-        assert options is not None
+    def run(this: Any, outer: Any, args: tuple, kwargs: dict) -> Any:
+        options = this.options
         if adaptive and options.grad_steps is not None:
             raise ValueError(f"{name} chooses its steps as it goes, so grad_steps (the last K of N steps) has "
                              "no fixed N; it supports cache=False and checkpoint_steps=True: use those")
         stepped = options.grad_steps is not None or options.checkpoint_steps
         with contextlib.ExitStack() as stack:
-            run = None if follow else stack.enter_context(differentiable(None, options))
+            if outer is None or outer.family != "functions":  # else: a sampler of this family continues its run
+                stack.enter_context(differentiable(None, this))
             if stepped:
                 bound = signature.bind(*args, **kwargs)
                 loop = _Loop(name, (raw.__module__,))
@@ -182,17 +171,14 @@ def _sampler(original: Callable[..., T], *, adaptive: bool) -> Callable[..., T]:
                 args, kwargs = bound.args, bound.kwargs
                 if options.grad_steps is not None and module is not None:
                     for global_name in progress:
-                        stack.enter_context(_shadow(module, global_name, functools.partial(_progress, raw.__module__)))
+                        stack.enter_context(shadow(module, global_name, functools.partial(_progress, raw.__module__)))
                     token = _loop.set(loop)
                     stack.callback(_loop.reset, token)
-            out = raw(*args, **kwargs)
-        if run is not None and stepped and run.evaluations == 0:
-            raise RuntimeError(f"{name}: grad_steps/checkpoint_steps had no effect: the denoiser was never "
-                               "evaluated through gradpatch's run_step")
-        return out
+            return raw(*args, **kwargs)
 
-    sample.__signature__ = _with_keywords(inspect.signature(original))  # type: ignore[attr-defined]
-    return sample
+    return sampler_entry(original, run, family="functions", describe=lambda args: name,
+                         owner=lambda args, kwargs: args[0] if args else kwargs.get("model"),
+                         expected="the denoiser was never evaluated through gradpatch's run_step")
 
 
 def fixed_step_sampler(original: Callable[..., T]) -> Callable[..., T]:

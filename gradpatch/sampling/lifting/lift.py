@@ -44,7 +44,7 @@ from types import CodeType, FunctionType, ModuleType
 from typing import Any, Callable, Mapping, NamedTuple
 
 from gradpatch.patching.fingerprint import Identity, fingerprint_source
-from gradpatch.sampling._bytecode import grad_mode_wrapper, same_code as _same_code
+from gradpatch.sampling.lifting.bytecode import grad_mode_wrapper, same_code
 
 GRAD_OFF = frozenset({"torch.no_grad", "torch.autograd.no_grad", "torch.autograd.grad_mode.no_grad",
                       "torch.inference_mode", "torch.autograd.inference_mode",
@@ -130,7 +130,7 @@ def _parse(fn: object) -> _Parsed:
     ast.increment_lineno(node, first - (2 if indented else 1))
     imports, aliases = _module_imports(raw)
     parsed = _Parsed(raw, node, imports, aliases)
-    if not _same_code(_compile(parsed, node), raw.__code__):
+    if not same_code(_compile(parsed, node), raw.__code__):
         raise LiftError(f"the source of {raw.__qualname__} in {raw.__code__.co_filename} is not the code "
                         "that was loaded (edited since import?)")
     _parsed[id(raw.__code__)] = parsed

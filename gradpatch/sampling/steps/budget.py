@@ -4,7 +4,7 @@
 What keeping an evaluation costs is measured, not estimated: the first evaluation of each input
 signature (shapes, dtypes, devices of the tensor arguments) is checkpointed and counts the bytes of
 the storages it saved for backward that were freed when it returned
-(:func:`gradpatch.sampling._step_checkpoint.measured`, the way the block budget planner counts a
+(:func:`gradpatch.sampling.steps.checkpoint.measured`, the way the block budget planner counts a
 block's own bytes: storages that stay alive anyway, such as inputs, parameters and the output, are
 not counted). Later evaluations keep their graph while the bytes kept so far plus that cost fit in the
 budget, in the order they run, and are checkpointed from then on. A kept evaluation runs gradpatch's
@@ -18,7 +18,7 @@ from typing import Any, Callable, TypeVar
 
 import torch
 
-from gradpatch.sampling import _step_checkpoint
+from gradpatch.sampling.steps import checkpoint as step_checkpoint
 
 T = TypeVar("T")
 
@@ -42,16 +42,16 @@ def _signature(args: tuple, kwargs: dict) -> tuple:
 def evaluate(budget: StepBudget, fn: Callable[..., T], args: tuple, kwargs: dict,
              recompute: Callable[[Callable[..., T], tuple, dict], T]) -> T:
     """Run one evaluation under ``budget``: measured and recomputed, kept, or recomputed (by
-    ``recompute``, the call's own: :meth:`gradpatch.sampling.runner.SamplingRun.recomputed`)."""
+    ``recompute``, the call's own: :meth:`gradpatch.sampling.run.SamplingRun.recomputed`)."""
     key = _signature(args, kwargs)
     cost = budget.costs.get(key)
     if cost is None:
-        out, budget.costs[key] = _step_checkpoint.measured(fn, *args, **kwargs)
+        out, budget.costs[key] = step_checkpoint.measured(fn, *args, **kwargs)
         budget.recomputed += 1
         return out
     if budget.kept_bytes + cost <= budget.size:
         budget.kept_bytes += cost
         budget.kept += 1
-        return _step_checkpoint.kept(fn, *args, **kwargs)
+        return step_checkpoint.kept(fn, *args, **kwargs)
     budget.recomputed += 1
     return recompute(fn, args, kwargs)

@@ -1,10 +1,10 @@
 """The latent-diffusion family's report of decorated methods no patch replaced
-(:mod:`gradpatch.sampling.ldm`, on the first ``cache=False`` call of each class)."""
+(:mod:`gradpatch.sampling.families.ldm`, on the first ``cache=False`` call of each class)."""
 from __future__ import annotations
 
 from typing import Any
 
-from gradpatch.sampling.diffusers import no_grad_body
+from gradpatch.sampling.lifting.bytecode import no_grad_body
 
 _checked: set[type] = set()
 FRAMEWORKS = frozenset({"torch", "pytorch_lightning", "lightning"})

@@ -17,7 +17,7 @@ saved-tensor hooks (:class:`_Frame`): the forward's pack hook returns the saved 
 (``next`` of a counter: no Python frame), the first unpack in backward recomputes the evaluation once,
 keeping the tensors it saves, in order, and each unpack takes its own; a recompute that saves another
 number of tensors raises. Once an evaluation of a ``cache=False`` call needed that path, the call's later
-evaluations take it at once (:attr:`gradpatch.sampling.runner.SamplingRun.fast`).
+evaluations take it at once (:attr:`gradpatch.sampling.run.SamplingRun.fast`).
 
 Both support what the evaluation does under grad, dropout included (the RNG is replayed),
 ``torch.autograd.grad`` and ``backward``, ``retain_graph`` (a second backward recomputes again) and

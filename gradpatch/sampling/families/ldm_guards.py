@@ -1,4 +1,4 @@
-"""Guards around the latent-diffusion family's sampling fixes (see :mod:`gradpatch.sampling.ldm`):
+"""Guards around the latent-diffusion family's sampling fixes (see :mod:`gradpatch.sampling.families.ldm`):
 calls that cannot give gradients refuse ``cache=False`` with what to do instead, EMA weight swaps and
 ``cache=False`` graphs exclude each other, and sampler buffers follow the model's device.
 """
@@ -11,8 +11,8 @@ from typing import Any, Callable, Iterator
 import torch
 
 from gradpatch.errors import NotDifferentiableError
-from gradpatch.sampling.ldm import EMA_MESSAGE, _active, _counted, _in_ema, _sampling
-from gradpatch.sampling.options import SamplingOptions, check_flag, step_budget
+from gradpatch.sampling.contract import sampler_entry
+from gradpatch.sampling.families.ldm import EMA_MESSAGE, FAMILY, counted, ema_models, sampling_models
 
 
 def refuse_cache_false(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -22,26 +22,11 @@ def refuse_cache_false(original: Callable[..., Any]) -> Callable[..., Any]:
     ``checkpoint_steps`` (or any call from inside a ``cache=False`` call) raise instead of being
     swallowed by ``**kwargs``."""
     name = getattr(original, "__name__", "generate_sample")
-
-    @functools.wraps(original)
-    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
-        # Validated as every sampler's keywords: cache="False" or 0 is a TypeError, numpy.False_ is False.
-        check_flag("cache", kwargs.get("cache", True))
-        step_budget(kwargs.get("checkpoint_steps", False))  # True, False or "budget:<size>"
-        options = SamplingOptions(kwargs.get("grad_steps"), bool(kwargs.get("checkpoint_steps", False)))
-        asked = not kwargs.get("cache", True) or options.grad_steps is not None or options.checkpoint_steps \
-            or ("cache" not in kwargs and _active() is not None)
-        if asked:
-            raise NotDifferentiableError(
-                f"{type(self).__name__}.{name} cannot run with cache=False: it samples inside ema_scope, converts "
-                "the waveform to numpy and re-ranks candidates by argmax. For gradients call "
-                "sample_log(cond, batch_size, ddim=True, ddim_steps=..., cache=False) (or a sampler's "
-                "sample(..., cache=False)), then decode_first_stage(samples, cache=False), outside ema_scope.")
-        for key in ("cache", "grad_steps", "checkpoint_steps"):
-            kwargs.pop(key, None)
-        return original(self, *args, **kwargs)
-
-    return method
+    return sampler_entry(original, None, family=FAMILY, describe=lambda args: f"{type(args[0]).__name__}.{name}",
+                         refusal="it samples inside ema_scope, converts the waveform to numpy and re-ranks "
+                         "candidates by argmax. For gradients call sample_log(cond, batch_size, ddim=True, "
+                         "ddim_steps=..., cache=False) (or a sampler's sample(..., cache=False)), then "
+                         "decode_first_stage(samples, cache=False), outside ema_scope.")
 
 
 def _bump_versions(model: Any) -> None:
@@ -76,13 +61,13 @@ def guard_ema_scope(original: Callable[..., Any]) -> Callable[..., Any]:
             with original(self, *args, **kwargs) as value:
                 yield value
             return
-        if id(self) in _sampling:
+        if id(self) in sampling_models:
             raise RuntimeError(EMA_MESSAGE.format(what="entering ema_scope during a cache=False call",
                                                   model=type(self).__name__))
         try:
             with original(self, *args, **kwargs) as value:
                 _bump_versions(self)
-                with _counted(_in_ema, id(self)):
+                with counted(ema_models, id(self)):
                     yield value
         finally:
             _bump_versions(self)
