@@ -1,13 +1,23 @@
 """Differentiable samplers: one interface, ``cache=True`` (upstream, bitwise) or ``cache=False``
 (gradients flow), with ``grad_steps`` and ``checkpoint_steps``.
 
-``options`` (the options and their validation), ``runner`` (the generic differentiable run and its
-steps; ``_step_checkpoint`` and ``_step_budget`` for ``checkpoint_steps``), ``lift`` (compiling a copy of
-a function without its in-body ``no_grad``), and the specifics: ``ode_sampler`` (F5/E2: ``sample``
-integrating with torchdiffeq's ``odeint``), ``function_sampler`` (k-diffusion, stable-audio-tools:
-samplers that are functions), ``ldm``/``ldm_guards``/``ldm_dpm_solver``/``_ldm_uncovered`` (the latent-diffusion family's native
-samplers), ``diffusers``/``diffusers_run`` (pipelines). ``any_sampler`` is ``gradpatch.differentiable``
-(torch-free; any sampler, on request or declared in the catalogue), run by ``generic`` with
-``_gradoff`` (the sampler's grad-off managers made inert), ``_inplace`` (copy on write) and
-``_window`` (where ``grad_steps`` resumes recording); ``_bytecode`` compares code for ``lift``.
+By role:
+
+* ``contract``: the one entry every sampler goes through (validation, defaults, misspelt options,
+  joining an outer ``cache=False`` call, refusal, "had no effect"); ``options``: the values.
+* ``run``: one ``cache=False`` call in progress (:class:`~gradpatch.sampling.run.SamplingRun`), the
+  attribute shadows that act only in its context, and :func:`~gradpatch.sampling.run.run_step`, which
+  applies ``grad_steps``/``checkpoint_steps`` to one denoiser evaluation.
+* ``steps/``: what ``run_step`` uses: ``checkpoint`` (recompute per evaluation), ``budget``
+  (``checkpoint_steps="budget:<size>"``), ``window`` (where ``grad_steps`` resumes recording),
+  ``odeint`` (torchdiffeq solver steps).
+* ``lifting/``: ``lift`` (a copy of a function without its in-body ``no_grad``), ``bytecode``
+  (what a code object is; torch's grad-mode decorator wrapper).
+* ``generic/``: :func:`gradpatch.differentiable` for any sampler: ``any_sampler`` (the public
+  function, torch-free), ``call`` (one call), ``gradoff`` (the sampler's grad-off managers made inert),
+  ``copy_on_write`` (in-place writes).
+* ``families/``: what each catalogued family adds: ``ode`` (F5/E2), ``functions`` (k-diffusion,
+  stable-audio-tools), ``ldm``/``ldm_guards``/``ldm_dpm_solver``/``ldm_uncovered`` (latent-diffusion
+  natives), ``diffusers``/``diffusers_run`` (pipelines).
+* ``values``: reading tensors out of what a call returns (shared by ``steps`` and ``generic``).
 """

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 import os
 import threading
 from contextvars import ContextVar

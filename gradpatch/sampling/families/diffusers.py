@@ -36,7 +36,6 @@ import inspect
 import re
 from typing import Any, Callable
 
-import torch
 
 from gradpatch.errors import NotDifferentiableError, RevertWarning, complain
 from gradpatch.sampling.contract import accepted_keywords, sampler_entry

@@ -51,7 +51,6 @@ import sys
 from contextvars import ContextVar
 from typing import Any, Callable, Iterator, TypeVar
 
-import torch
 
 from gradpatch.sampling.contract import sampler_entry
 from gradpatch.sampling.options import SamplingOptions

@@ -10,7 +10,6 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from gradpatch.errors import NotDifferentiableError
 from gradpatch.sampling.contract import sampler_entry
 from gradpatch.sampling.families.ldm import EMA_MESSAGE, FAMILY, counted, ema_models, sampling_models
 

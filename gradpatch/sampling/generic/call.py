@@ -175,17 +175,17 @@ def call(sampler: Sampler, original: Callable[..., Any], args: tuple, kwargs: di
     """One ``cache=False`` call of ``original(*args, **kwargs)`` under ``state`` (module docstring)."""
     options = state.options
     where = sampler.where
-    if (options.grad_steps is not None or options.checkpoint_steps) and sampler.step is None:
-        raise ValueError(f"gradpatch.differentiable({where}): grad_steps and checkpoint_steps need step=, what one "
-                         "sampler step calls (a module, a method, or the name of an attribute or argument)")
+    # Without step=, only a catalogued sampler joining the call (contract, rule 3) can apply the options:
+    # checked when the call returns.
+    unrouted = (options.grad_steps is not None or options.checkpoint_steps) and sampler.step is None
     ode = sampler.step is not None and sampler.ode()
-    if options.grad_steps is not None and sampler.steps is None and not ode:
+    if options.grad_steps is not None and sampler.steps is None and not ode and not unrouted:
         raise ValueError(f"gradpatch.differentiable({where}): grad_steps needs steps=, the argument holding the "
                          "number of steps")
     bound = None
     if sampler.signature is not None and (sampler.step is not None or sampler.steps is not None):
         bound = sampler.signature.bind(*args, **kwargs)
-    total = sampler.total(bound, owner) if options.grad_steps is not None and not ode else None
+    total = sampler.total(bound, owner) if options.grad_steps is not None and not ode and not unrouted else None
     cow = CopyOnWrite()
     run = _Run(sampler, total, cow)
     state.family_state = run
@@ -212,11 +212,15 @@ def call(sampler: Sampler, original: Callable[..., Any], args: tuple, kwargs: di
             out = _start(original, args, kwargs)
         if inspect.isgenerator(out):
             return _generator(out, entered, stack.pop_all())
+    if unrouted and not state.joined:
+        raise ValueError(f"gradpatch.differentiable({where}): grad_steps and checkpoint_steps need step=, what one "
+                         "sampler step calls (a module, a method, or the name of an attribute or argument), "
+                         "unless the call reaches a catalogued sampler, which applies them to its own steps")
     if total is not None and run.count != total and not state.joined:
         raise RuntimeError(f"gradpatch.differentiable({where}): grad_steps: step was called {run.count} times, but "
                            f"steps says {total}; the last K steps cannot be told apart. Pass as step what one "
                            "sampler step calls once, or use checkpoint_steps")
-    if options.checkpoint_steps and state.evaluations == 0:
+    if options.checkpoint_steps and state.evaluations == 0 and not unrouted:
         raise RuntimeError(f"gradpatch.differentiable({where}): checkpoint_steps had no effect: step was never called")
     if wanted and not any(t.requires_grad for t in tensors(out)):
         raise NotDifferentiableError(f"gradpatch.differentiable({where}) returned {describe(out)}; gradients "

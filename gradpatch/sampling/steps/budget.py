@@ -14,7 +14,7 @@ block checkpoints inside it plainly, as the measured one did. Gradients equal th
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, TypeVar
+from typing import Callable, TypeVar
 
 import torch
 
