@@ -12,6 +12,7 @@ carries a graph, it raises :class:`~gradpatch.errors.NotDifferentiableError` ins
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import inspect
 import sys
@@ -248,17 +249,35 @@ def _generator(gen: Any, entered: Callable[[], Any], stack: contextlib.ExitStack
 def make(fn: Callable[..., Any], step: Any = None, steps: Any = None, *, cache: bool = False,
          where: str | None = None) -> Callable[..., Any]:
     """A callable taking ``cache`` (default ``cache``), ``grad_steps``, ``checkpoint_steps`` around ``fn``
-    (a function or a bound method); as a class attribute it binds like ``fn`` (a plain function), and
-    its first argument is then the sampler's object even when a decorator's signature does not call it
-    ``self`` (imagen's ``eval_decorator``: ``inner(model, *args, **kwargs)``)."""
-    owner = getattr(fn, "__self__", None)
-    where = where or getattr(fn, "__qualname__", repr(fn))
-    sampler = Sampler(fn, step, steps, where)
-    default = cache
+    (a function or a bound method): a :class:`Differentiable`."""
+    return Differentiable(fn, step, steps, cache, where)
 
-    @functools.wraps(fn)
-    def differentiable(*args: Any, cache: bool = _UNSET, grad_steps: Any = None, checkpoint_steps: Any = False,
-                       **kwargs: Any) -> Any:
+
+class Differentiable:
+    """``fn`` taking ``cache``, ``grad_steps`` and ``checkpoint_steps``. As a class attribute it binds like
+    ``fn`` (a plain function), and its first argument is then the sampler's object even when a
+    decorator's signature does not call it ``self`` (imagen's ``eval_decorator``: ``inner(model, *args,
+    **kwargs)``). It copies and pickles like the bound method it wraps: ``copy.deepcopy`` of an object
+    holding ``differentiable(self.sample)`` (an EMA copy) holds one bound to the copy (``step`` too, if
+    it is an object, through the same memo), and pickle, dill and cloudpickle rebuild it from ``fn``
+    and the options (by name where it is installed under ``fn``'s name, as the string form does)."""
+
+    def __init__(self, fn: Callable[..., Any], step: Any = None, steps: Any = None, cache: bool = False,
+                 where: str | None = None) -> None:
+        functools.update_wrapper(self, fn)
+        where = where or getattr(fn, "__qualname__", repr(fn))
+        self._made = (fn, step, steps, cache, where)
+        self._owner = getattr(fn, "__self__", None)
+        self._sampler = Sampler(fn, step, steps, where)
+        if self._sampler.signature is not None:
+            self.__signature__ = _with_keywords(self._sampler.signature).replace(
+                parameters=[p.replace(default=cache) if p.name == "cache" else p
+                            for p in _with_keywords(self._sampler.signature).parameters.values()])
+
+    def __call__(self, *args: Any, cache: bool = _UNSET, grad_steps: Any = None, checkpoint_steps: Any = False,
+                 **kwargs: Any) -> Any:
+        fn, _, _, default, where = self._made
+        owner, sampler = self._owner, self._sampler
         flag = default if cache is _UNSET else cache
         sampling_options(flag, grad_steps, checkpoint_steps)  # validates, as every patched sampler does
         if flag or (cache is _UNSET and _gradoff._active.get() is not None and grad_steps is None
@@ -267,16 +286,26 @@ def make(fn: Callable[..., Any], step: Any = None, steps: Any = None, *, cache: 
                 note_cached_call(where, owner if owner is not None else (args[0] if args else None))
             return fn(*args, **kwargs)  # upstream's call (inside another call: its constructs are inert already)
         this = owner if owner is not None else (args[0] if args and ("self" in (
-            sampler.signature.parameters if sampler.signature else ()) or _method_of(differentiable, args[0]))
-            else None)
+            sampler.signature.parameters if sampler.signature else ()) or _method_of(self, args[0])) else None)
         return call(sampler, fn, args, kwargs, this, grad_steps, checkpoint_steps)
 
-    if sampler.signature is not None:
-        differentiable.__signature__ = _with_keywords(sampler.signature).replace(  # type: ignore[attr-defined]
-            parameters=[p.replace(default=default) if p.name == "cache" else p
-                        for p in _with_keywords(sampler.signature).parameters.values()])
-    differentiable.__wrapped__ = fn  # type: ignore[attr-defined]
-    return differentiable
+    def __get__(self, obj: Any, objtype: Any = None) -> Any:
+        return self if obj is None else types.MethodType(self, obj)
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        fn, step, steps, cache, where = self._made
+        if self._owner is None:
+            return self  # a function is its own copy (copy.deepcopy's rule)
+        return type(self)(copy.deepcopy(fn, memo), copy.deepcopy(step, memo), steps, cache, where)
+
+    def __reduce__(self) -> Any:
+        name, found = self.__qualname__, sys.modules.get(self.__module__)
+        for part in name.split("."):
+            found = getattr(found, part, None)
+        return name if found is self else (type(self), self._made)
+
+    def __repr__(self) -> str:
+        return f"<gradpatch.differentiable {self._made[4]}>"
 
 
 def _method_of(function: Any, obj: Any) -> bool:
