@@ -196,9 +196,13 @@ def call(sampler: Sampler, original: Callable[..., Any], args: tuple, kwargs: di
     grad = torch.is_grad_enabled()
     wanted = grad and any(t.requires_grad for t in _tensors([owner, sampler.step, list(args), kwargs]))
 
+    target = sampler.target(bound, owner) if sampler.step is not None else None
+
     @contextlib.contextmanager
     def entered() -> Iterator[None]:
         with contextlib.ExitStack() as stack:
+            if target is not None:  # the step's shadow, only while the sampler runs (not between a generator's items)
+                stack.enter_context(_shadow(*target, stepped_odeint if ode else _stepped))
             stack.enter_context(state.active())
             token = _current.set(run)
             stack.callback(_current.reset, token)
@@ -209,9 +213,6 @@ def call(sampler: Sampler, original: Callable[..., Any], args: tuple, kwargs: di
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(_modes_kept([owner, sampler.step if not isinstance(sampler.step, str) else None]))
-        if sampler.step is not None:
-            obj, name = sampler.target(bound, owner)
-            stack.enter_context(_shadow(obj, name, stepped_odeint if ode else _stepped))
         with entered():
             out = _start(original, args, kwargs)
         if inspect.isgenerator(out):
