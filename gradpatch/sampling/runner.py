@@ -142,39 +142,31 @@ if hasattr(os, "register_at_fork"):
 def _shadow(obj: object, name: str, make: Callable[[Any], Any]) -> Iterator[None]:
     """``obj.<name>`` is ``make(<its value>)`` for the block: an instance attribute, put back (or
     removed) when the last concurrent user leaves, unless someone replaced it meanwhile."""
-    with contextlib.ExitStack() as stack:
-        if name != "__getstate__" and not isinstance(obj, (types.ModuleType, type)):
-            stack.enter_context(_shadow(obj, "__getstate__", functools.partial(_OwnState, obj)))
-        stack.enter_context(_installed(obj, name, make))
-        yield
-
-
-@contextlib.contextmanager
-def _installed(obj: object, name: str, make: Callable[[Any], Any]) -> Iterator[None]:
-    key = (id(obj), name)
-    with _lock:
-        entry = _shadows.get(key)
-        if entry is None:
-            own = vars(obj)
-            installed = make(getattr(obj, name, None) if name == "__getstate__" else getattr(obj, name))
-            entry = _shadows[key] = [0, name in own, own.get(name), installed]
-            object.__setattr__(obj, name, installed)
-        entry[0] += 1
-    try:
-        yield
-    finally:
+    key, hide = (id(obj), name), name != "__getstate__" and not isinstance(obj, (types.ModuleType, type))
+    with _shadow(obj, "__getstate__", functools.partial(_OwnState, obj)) if hide else contextlib.nullcontext():
         with _lock:
-            entry[0] -= 1
-            if entry[0] == 0:
-                del _shadows[key]
-                if vars(obj).get(name) is entry[3]:  # else someone replaced it meanwhile: theirs stays
-                    object.__setattr__(obj, name, entry[2]) if entry[1] else object.__delattr__(obj, name)
+            entry = _shadows.get(key)
+            if entry is None:
+                own = vars(obj)
+                installed = make(getattr(obj, name, None) if name == "__getstate__" else getattr(obj, name))
+                entry = _shadows[key] = [0, name in own, own.get(name), installed]
+                object.__setattr__(obj, name, installed)
+            entry[0] += 1
+        try:
+            yield
+        finally:
+            with _lock:
+                entry[0] -= 1
+                if entry[0] == 0:
+                    del _shadows[key]
+                    if vars(obj).get(name) is entry[3]:  # else someone replaced it meanwhile: theirs stays
+                        object.__setattr__(obj, name, entry[2]) if entry[1] else object.__delattr__(obj, name)
 
 
 class _OwnState:
-    """``obj.__getstate__`` while ``obj`` holds shadows: the state its own ``__getstate__`` gives, with
-    each shadow replaced by the attribute it stands in for (or left out), so that a copy or a pickle
-    taken during a call is its own object afterwards, computing with its own weights."""
+    """``obj.__getstate__`` while ``obj`` holds shadows: the state its own ``__getstate__`` gives, each
+    shadow replaced by the attribute it stands in for (or left out), so that a copy or a pickle taken
+    during a call is its own object afterwards, computing with its own weights."""
 
     def __init__(self, obj: object, own: Callable[[], Any] | None) -> None:
         self.obj, self.own = obj, own
