@@ -232,3 +232,17 @@ seen.append(settings.checkpoint_policy)
 print(json.dumps(seen))
 """, env={"GRADPATCH_EXCLUDE": "fakeup"}, pythonpath=[fake_upstream]))
     assert out == ["never", "respect", "never", "always"]
+
+
+@pytest.mark.parametrize("library", ["pickle", "dill", "cloudpickle"])
+def test_a_sampler_patched_in_place_pickles_by_name(library):
+    dumps, loads = importlib.import_module(library).dumps, importlib.import_module(library).loads
+    gradpatch.differentiable("foreign_samplers:InBody.sample", step="model", steps="steps")
+    try:
+        patched = vars(fs.InBody)["sample"]
+        assert loads(dumps(patched)) is patched
+        model = fs.InBody().double()
+        clone, method = loads(dumps((model, model.sample)))
+        assert method.__self__ is clone and method.__func__ is patched
+    finally:
+        gradpatch.revert()

@@ -249,19 +249,18 @@ def _generator(gen: Any, entered: Callable[[], Any], stack: contextlib.ExitStack
 
 def make(fn: Callable[..., Any], step: Any = None, steps: Any = None, *, cache: bool = False,
          where: str | None = None) -> Callable[..., Any]:
-    """A callable taking ``cache`` (default ``cache``), ``grad_steps``, ``checkpoint_steps`` around ``fn``
-    (a function or a bound method): a :class:`Differentiable`."""
+    """``fn`` (a function or a bound method) taking ``cache`` (default ``cache``), ``grad_steps`` and
+    ``checkpoint_steps``."""
     return Differentiable(fn, step, steps, cache, where)
 
 
 class Differentiable:
-    """``fn`` taking ``cache``, ``grad_steps`` and ``checkpoint_steps``. As a class attribute it binds like
-    ``fn`` (a plain function), and its first argument is then the sampler's object even when a
-    decorator's signature does not call it ``self`` (imagen's ``eval_decorator``: ``inner(model, *args,
-    **kwargs)``). It copies and pickles like the bound method it wraps: ``copy.deepcopy`` of an object
-    holding ``differentiable(self.sample)`` (an EMA copy) holds one bound to the copy (``step`` too, if
-    it is an object, through the same memo), and pickle, dill and cloudpickle rebuild it from ``fn``
-    and the options (by name where it is installed under ``fn``'s name, as the string form does)."""
+    """What :func:`make` returns. As a class attribute it binds like ``fn`` (a plain function), and its
+    first argument is then the sampler's object even when a decorator's signature does not call it
+    ``self`` (imagen's ``eval_decorator``: ``inner(model, *args, **kwargs)``). It copies and pickles like
+    the bound method it wraps: a deep copy of an object holding ``differentiable(self.sample)`` (an EMA
+    copy) holds one bound to the copy (``step`` through the same memo); pickle, dill and cloudpickle
+    rebuild it from ``fn`` and the options, or by name where the string form installed it."""
 
     def __init__(self, fn: Callable[..., Any], step: Any = None, steps: Any = None, cache: bool = False,
                  where: str | None = None) -> None:
