@@ -41,6 +41,7 @@ _scopes = dict.fromkeys(_SCOPABLE, 0)
 _overrides: ContextVar[dict[str, Any]] = ContextVar("gradpatch_settings", default={})
 _lock = threading.Lock()
 _UNSET = object()
+_applied: tuple[str, str] | None = None  # (the policy before apply() set one, the one it set last)
 
 
 def _reset_lock_in_child() -> None:
@@ -132,11 +133,30 @@ def _check_budget(policy: object, choices: tuple[str, ...]) -> str:
                      f"or budget:<size> ({EXAMPLE})")
 
 
-def set_checkpoint_policy(policy: str) -> str:
+def set_checkpoint_policy(policy: str, *, by_apply: bool = False) -> str:
     """Set the process-wide checkpoint policy; return the previous one. Takes effect on the next call,
     except in contexts inside a :func:`checkpoint_policy_scope`, which keep their scope's policy.
-    ``"budget:<size>"`` plans which blocks to recompute (:mod:`gradpatch.checkpointing.plan`)."""
-    return _set_process_wide("checkpoint_policy", check_policy(policy))
+    ``"budget:<size>"`` plans which blocks to recompute (:mod:`gradpatch.checkpointing.plan`).
+    ``by_apply``: set by :func:`gradpatch.apply`, so that :func:`undo_applied_policy` (a ``revert()``
+    that leaves nothing applied) puts back the policy from before the first such ``apply``."""
+    global _applied
+    checked = check_policy(policy)
+    with _lock:
+        namespace = _process if "checkpoint_policy" in _process else globals()
+        previous, namespace["checkpoint_policy"] = namespace["checkpoint_policy"], checked
+        _applied = ((previous if _applied is None else _applied[0]), checked) if by_apply else None
+    return previous
+
+
+def undo_applied_policy() -> None:
+    """The process-wide policy back to what it was before :func:`gradpatch.apply` set one, if it is
+    still the one ``apply`` set (a :func:`set_checkpoint_policy` since is the user's choice: it stays)."""
+    global _applied
+    with _lock:
+        namespace = _process if "checkpoint_policy" in _process else globals()
+        if _applied is not None and namespace["checkpoint_policy"] == _applied[1]:
+            namespace["checkpoint_policy"] = _applied[0]
+        _applied = None
 
 
 def set_strict(value: bool) -> bool:

@@ -163,7 +163,7 @@ def apply(*names: str | Iterable[str], exclude: str | Iterable[str] | None = Non
     try:
         policy = checkpoint if checkpoint is not None else env.checkpoint
         if policy is not None:
-            settings.set_checkpoint_policy(policy)
+            settings.set_checkpoint_policy(policy, by_apply=True)
         return _apply(names, exclude, env, scan)
     except BaseException:
         settings.set_strict(previous)
@@ -223,7 +223,9 @@ def revert(*names: str | Iterable[str]) -> Report:
     """Undo patches (all if no names), newest first, restoring the original objects themselves.
 
     A target that something else has replaced since is left alone with a
-    :class:`~gradpatch.RevertWarning`. Reverted patches are no longer applied on later imports.
+    :class:`~gradpatch.RevertWarning`. Reverted patches are no longer applied on later imports. When
+    nothing is left applied, the checkpoint policy that ``apply(checkpoint=...)`` (or
+    ``GRADPATCH_CHECKPOINT``) set is put back as it was before, unless it was set otherwise since.
     """
     with ledger._lock:
         chosen = select(names, source="revert()")[0] if names else [known_patches()[n] for n in _wanted]
@@ -249,6 +251,7 @@ def revert(*names: str | Iterable[str]) -> Report:
                 known_patches().pop(patch.name, None)
         if not _wanted:
             watcher.stop()  # the import system exactly as it was
+            settings.undo_applied_policy()  # and the checkpoint policy, if apply(checkpoint=...) set it
         return Report(_records[p.name] for p in chosen if p.name in _records)
 
 

@@ -12,6 +12,7 @@ carries a graph, it raises :class:`~gradpatch.errors.NotDifferentiableError` ins
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import inspect
 import sys
@@ -194,9 +195,13 @@ def call(sampler: Sampler, original: Callable[..., Any], args: tuple, kwargs: di
     grad = torch.is_grad_enabled()
     wanted = grad and any(t.requires_grad for t in tensors([owner, sampler.step, list(args), kwargs]))
 
+    target = sampler.target(bound, owner) if sampler.step is not None else None
+
     @contextlib.contextmanager
     def entered() -> Iterator[None]:
         with contextlib.ExitStack() as stack:
+            if target is not None:  # the step's shadow, only while the sampler runs (not between a generator's items)
+                stack.enter_context(shadow(*target, stepped_odeint if ode else _stepped))
             stack.enter_context(state.active())
             stack.enter_context(cow.hooks())
             stack.enter_context(cow)
@@ -205,9 +210,6 @@ def call(sampler: Sampler, original: Callable[..., Any], args: tuple, kwargs: di
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(_modes_kept([owner, sampler.step if not isinstance(sampler.step, str) else None]))
-        if sampler.step is not None:
-            obj, name = sampler.target(bound, owner)
-            stack.enter_context(shadow(obj, name, stepped_odeint if ode else _stepped))
         with entered():
             out = _start(original, args, kwargs)
         if inspect.isgenerator(out):
@@ -248,33 +250,67 @@ def _generator(gen: Any, entered: Callable[[], Any], stack: contextlib.ExitStack
 
 def make(fn: Callable[..., Any], step: Any = None, steps: Any = None, *, cache: bool = False,
          where: str | None = None) -> Callable[..., Any]:
-    """A callable taking ``cache`` (default ``cache``), ``grad_steps``, ``checkpoint_steps`` around ``fn``
-    (a function or a bound method), following :mod:`gradpatch.sampling.contract`; as a class attribute
-    it binds like ``fn`` (a plain function), and its first argument is then the sampler's object even
-    when a decorator's signature does not call it ``self`` (imagen's ``eval_decorator``:
-    ``inner(model, *args, **kwargs)``)."""
-    owner = getattr(fn, "__self__", None)
-    where = where or getattr(fn, "__qualname__", repr(fn))
-    sampler = Sampler(fn, step, steps, where)
+    """``fn`` (a function or a bound method) taking ``cache`` (default ``cache``), ``grad_steps`` and
+    ``checkpoint_steps``."""
+    return Differentiable(fn, step, steps, cache, where)
 
-    def this_of(args: tuple) -> Any:
-        if owner is not None:
-            return owner
-        named_self = "self" in (sampler.signature.parameters if sampler.signature else ())
-        return args[0] if args and (named_self or _method_of(differentiable, args[0])) else None
 
-    def run(state: SamplingRun, outer: SamplingRun | None, args: tuple, kwargs: dict) -> Any:
-        if outer is not None:
-            if outer.family == FAMILY:
-                return fn(*args, **kwargs)  # inside another call: its constructs are inert already
-            if sampler.step is None:  # the outer sampler knows its steps: only lift the constructs here
-                state.options = SamplingOptions()
-        return call(sampler, fn, args, kwargs, this_of(args), state)
+class Differentiable:
+    """What :func:`make` returns. As a class attribute it binds like ``fn`` (a plain function), and its
+    first argument is then the sampler's object even when a decorator's signature does not call it
+    ``self`` (imagen's ``eval_decorator``: ``inner(model, *args, **kwargs)``). It copies and pickles like
+    the bound method it wraps: a deep copy of an object holding ``differentiable(self.sample)`` (an EMA
+    copy) holds one bound to the copy (``step`` through the same memo); pickle, dill and cloudpickle
+    rebuild it from ``fn`` and the options, or by name where the string form installed it."""
 
-    differentiable = sampler_entry(fn, run, family=FAMILY, describe=lambda args: f"gradpatch.differentiable({where})",
-                                   default_cache=cache, owner=lambda args, kwargs: this_of(args) if args else owner,
-                                   expected="step was never called")
-    return differentiable
+    def __init__(self, fn: Callable[..., Any], step: Any = None, steps: Any = None, cache: bool = False,
+                 where: str | None = None) -> None:
+        functools.update_wrapper(self, fn)
+        where = where or getattr(fn, "__qualname__", repr(fn))
+        self._made = (fn, step, steps, cache, where)
+        self._owner = owner = getattr(fn, "__self__", None)
+        sampler = Sampler(fn, step, steps, where)
+
+        def this_of(args: tuple) -> Any:
+            if owner is not None:
+                return owner
+            named_self = "self" in (sampler.signature.parameters if sampler.signature else ())
+            return args[0] if args and (named_self or _method_of(self, args[0])) else None
+
+        def run(state: SamplingRun, outer: SamplingRun | None, args: tuple, kwargs: dict) -> Any:
+            if outer is not None:
+                if outer.family == FAMILY:
+                    return fn(*args, **kwargs)  # inside another call: its constructs are inert already
+                if sampler.step is None:  # the outer sampler knows its steps: only lift the constructs here
+                    state.options = SamplingOptions()
+            return call(sampler, fn, args, kwargs, this_of(args), state)
+
+        self._entry = sampler_entry(fn, run, family=FAMILY, describe=lambda args: f"gradpatch.differentiable({where})",
+                                    default_cache=cache, owner=lambda args, kwargs: this_of(args) if args else owner,
+                                    expected="step was never called")
+        if hasattr(self._entry, "__signature__"):
+            self.__signature__ = self._entry.__signature__
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._entry(*args, **kwargs)
+
+    def __get__(self, obj: Any, objtype: Any = None) -> Any:
+        return self if obj is None else types.MethodType(self, obj)
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        fn, step, steps, cache, where = self._made
+        if self._owner is None:
+            return self  # a function is its own copy (copy.deepcopy's rule)
+        return type(self)(copy.deepcopy(fn, memo), copy.deepcopy(step, memo), steps, cache, where)
+
+    def __reduce__(self) -> Any:
+        name, found = self.__qualname__, sys.modules.get(self.__module__)
+        for part in name.split("."):
+            found = getattr(found, part, None)
+        return name if found is self else (type(self), self._made)
+
+    def __repr__(self) -> str:
+        return f"<gradpatch.differentiable {self._made[4]}>"
 
 
 def _method_of(function: Any, obj: Any) -> bool:
