@@ -28,7 +28,7 @@ NEWEST_TESTS := $(LOWER_TESTS) tests/test_checkpoint_functorch.py tests/test_che
 	tests/test_diffusers_pipelines.py
 SKIP_TORCH_NEWEST ?=
 
-.PHONY: demo test test-torch-lower test-torch-newest newcomer bench clean
+.PHONY: demo test lint test-torch-lower test-torch-newest newcomer bench clean
 
 $(VENV)/.installed: pyproject.toml requirements/test.txt requirements/upstream.txt requirements/upstream-build.txt
 	$(PYTHON) -m venv $(VENV)
@@ -44,7 +44,12 @@ $(VENV)/.installed: pyproject.toml requirements/test.txt requirements/upstream.t
 demo: $(VENV)/.installed
 	$(PY) examples/finetune_audioldm.py
 
-test: $(VENV)/.installed
+# ruff (a small rule set, pyproject.toml) and mypy (gradpatch and patches/, configured in pyproject.toml).
+lint: $(VENV)/.installed
+	$(PY) -m ruff check --no-cache gradpatch patches tests benchmarks examples
+	$(PY) -m mypy
+
+test: $(VENV)/.installed lint
 	$(PY) -m pytest -n 2 --durations=15
 ifeq ($(strip $(SKIP_TORCH_LOWER)),)
 	$(MAKE) test-torch-lower

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import site
-import sys
 import textwrap
 from typing import Iterable
 

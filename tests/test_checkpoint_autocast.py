@@ -15,7 +15,7 @@ import torch
 from torch.testing import assert_close
 
 import gradpatch
-from gradpatch.checkpointing import _paths, checkpoint as fixed
+from gradpatch.checkpointing import _paths
 from gradpatch.checkpointing import budget as planner
 from test_checkpoint_upstream import TARGETS, assert_grads_equal, build, freeze, install
 

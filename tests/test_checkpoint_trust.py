@@ -218,7 +218,7 @@ def test_replaced_parameters_and_modules_are_not_kept_alive():
     assert old() is None
     ck.checkpoint(block.body, (x,), block.parameters()).sum().backward()
     shift = torch.randn(8, requires_grad=True) * 2  # a non-leaf the block reads undeclared:
-    block.body = lambda t: block.base(t) + shift  # the graph path, remembered per code object
+    block.body = lambda t: block.base(t) + shift  # the graph path, remembered per code object  # noqa: F821 (read by the lambda, deleted below on purpose)
     ck.checkpoint(block.body, (x,), block.parameters()).sum().backward()
     gone = weakref.ref(block)
     del block

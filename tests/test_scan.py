@@ -8,7 +8,6 @@ and ``myfork/block.py`` a small block that checkpoints its body through it, as u
 from __future__ import annotations
 
 import importlib.util
-import json
 from pathlib import Path
 
 import pytest

@@ -130,7 +130,7 @@ def test_strict_environment_refuses_a_bad_log_level_at_start_up(fake_upstream):
 
 
 def test_a_raising_strict_apply_leaves_later_hooks_lenient(fake_upstream):
-    out = _run(fake_upstream, f"""
+    out = _run(fake_upstream, """
 from gradpatch import settings
 gradpatch.apply("fakebroken")
 try:

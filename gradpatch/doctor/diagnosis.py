@@ -145,7 +145,7 @@ def _sampler_findings(model: torch.nn.Module, watch: Watch | None, names: tuple[
         seen.add(name)
         findings.append(Finding(name, names, f"{name} ran with cache=True (its default) while grad was on: "
                                 "that runs the original @torch.no_grad() sampler, so its output carries no "
-                                "gradient", f"call it with cache=False (grad_steps=K or checkpoint_steps=True "
+                                "gradient", "call it with cache=False (grad_steps=K or checkpoint_steps=True "
                                 "bound the memory)"))
     return findings
 

@@ -278,11 +278,10 @@ class Differentiable:
             return args[0] if args and (named_self or _method_of(self, args[0])) else None
 
         def run(state: SamplingRun, outer: SamplingRun | None, args: tuple, kwargs: dict) -> Any:
-            if outer is not None:
+            if outer is not None and sampler.step is None:
                 if outer.family == FAMILY:
                     return fn(*args, **kwargs)  # inside another call: its constructs are inert already
-                if sampler.step is None:  # the outer sampler knows its steps: only lift the constructs here
-                    state.options = SamplingOptions()
+                state.options = SamplingOptions()  # the outer sampler knows its steps: only lift the constructs
             return call(sampler, fn, args, kwargs, this_of(args), state)
 
         self._entry = sampler_entry(fn, run, family=FAMILY, describe=lambda args: f"gradpatch.differentiable({where})",
