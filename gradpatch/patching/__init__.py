@@ -1,6 +1,6 @@
 """Recognising and patching code as it is imported.
 
-``registry`` (what a patch is, what happened to it), ``definitions`` and ``fingerprint`` (which code
+``patch`` (what a patch is, what happened to it), ``definitions`` and ``fingerprint`` (which code
 is which), ``families`` (definitions copied between codebases), ``catalogue`` and ``selection`` (the
 declared patches and which are wanted), ``versions`` (installed distributions), ``watcher`` (seeing
 every execution of a module body, whoever found and loaded it), ``hooks`` (putting a fix in place and

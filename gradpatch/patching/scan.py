@@ -42,7 +42,7 @@ def families() -> list[Any]:
     if not _families:
         from gradpatch.patching import catalogue
 
-        package = catalogue._builtin_package()
+        package = catalogue.builtin_package()
         _families.extend(__import__(f"{package.__name__}._families", fromlist=["FAMILIES"]).FAMILIES)
         _names = frozenset(name for family in _families for name in family.heads)
     return _families
