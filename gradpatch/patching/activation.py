@@ -26,17 +26,29 @@ from gradpatch import environment, settings
 from gradpatch.errors import ConfigWarning, PatchFailedWarning, complain
 from gradpatch.patching import watcher
 from gradpatch.patching import scan as scanning
+from gradpatch.patching import scripts
 from gradpatch.patching.ledger import LEDGER, known_patches, select
 from gradpatch.patching.patch import Patch, Record, Report, Status
 
 
 def _body_ran(module: ModuleType, late: bool) -> None:
     """The watcher's listener: ``module``'s body has run. Cheap for the modules gradpatch has no
-    business with (a dict lookup and a key test, no lock); never breaks the import (unless strict)."""
+    business with (a dict lookup and a key test, no lock); never breaks the import (unless strict).
+    A running script that has changed a family member's name since is examined too when an
+    ``import`` statement of its own code ran this body (see :mod:`~gradpatch.patching.scripts`): no
+    import ever ends a script's body, and this is a point between two of its statements."""
     namespace = watcher.namespace(module)
     name = namespace.get("__name__") if namespace is not None else None
-    if not isinstance(name, str) or (name not in LEDGER.targets() and not scanning.candidate(namespace)):  # type: ignore[arg-type]
-        return
+    if isinstance(name, str) and (name in LEDGER.targets() or scanning.candidate(namespace)):  # type: ignore[arg-type]
+        _patch(module, name, late)
+    if scanning.enabled:
+        for script in scanning.scripts(changed=True):
+            if scripts.between_statements(script):
+                scanning.examined(script)
+                _patch(script, script.__name__, True)
+
+
+def _patch(module: ModuleType, name: str, late: bool) -> None:
     try:
         _on_import(module, late=late)
     except Exception as exc:
@@ -178,6 +190,8 @@ def _apply(names: tuple, exclude: object, env: environment.Environment, scan: bo
             scanning.families()
         if selected:
             watcher.start(_body_ran)
+            if scan_on:
+                scripts.watch_exit()
         for patch in selected:
             if not LEDGER.is_wanted(patch.name) or LEDGER.unseen(patch):
                 _start(patch)
@@ -251,8 +265,12 @@ def applied(*names: str | Iterable[str], exclude: str | Iterable[str] | None = N
 def report() -> Report:
     """What happened to every patch this process has selected: applied, deferred, skipped (with the
     reason), failed (with the error) or reverted. A patch not in place although its module's body has
-    run (by a loader gradpatch cannot watch) says so, and is warned about once."""
+    run (by a loader gradpatch cannot watch) says so, and is warned about once; so does a copy the
+    running script defined after gradpatch last examined it (:mod:`~gradpatch.patching.scripts`)."""
     with LEDGER.locked():
+        if scanning.enabled:
+            with settings.scope(strict=False):  # a report is for reading: it never raises
+                scripts.report_unpatched()
         for name in [name for name in LEDGER.wanted() if LEDGER.record_of(name) is not None]:
             why = LEDGER.unseen(known_patches()[name])
             if why is not None and LEDGER.record_of(name).reason != why:  # type: ignore[union-attr]
