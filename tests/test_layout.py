@@ -109,7 +109,8 @@ def test_the_check_sees_each_form(tmp_path, monkeypatch):
 
 def test_the_patching_engine_imports_without_a_cycle():
     for module in ("gradpatch.patching.activation", "gradpatch.patching.ledger", "gradpatch.patching.scan",
-                   "gradpatch.doctor.diagnosis", "gradpatch.cli", "gradpatch.patching.patch"):
+                   "gradpatch.patching.scripts", "gradpatch.doctor.diagnosis", "gradpatch.cli",
+                   "gradpatch.patching.patch"):
         done = subprocess.run([sys.executable, "-c", f"import {module}"], cwd=ROOT, capture_output=True, text=True,
                               env={"PYTHONPATH": str(ROOT), "PATH": ""}, timeout=120)
         assert done.returncode == 0, (module, done.stderr)

@@ -45,8 +45,9 @@ enabled = False
 _families: list[Any] = []
 _names: frozenset[str] = frozenset()  # every member's module-level name, of every family: the per-module check
 #: The module names a script runs under: ``python train.py`` and ``python -m pkg.train`` run
-#: ``__main__``, ``runpy.run_path`` runs ``<run_path>`` unless given another ``run_name``.
-SCRIPTS = ("__main__", "<run_path>")
+#: ``__main__``, ``runpy.run_path`` runs ``<run_path>`` unless given another ``run_name``, and a
+#: process multiprocessing spawns runs the parent's script as ``__mp_main__``.
+SCRIPTS = ("__main__", "<run_path>", "__mp_main__")
 _looked: dict[str, tuple] = {}  # script name -> what its members' names were bound to when last examined
 
 
@@ -74,15 +75,15 @@ def scripts(*, changed: bool = False) -> list[ModuleType]:
     """The modules of the running scripts (:data:`SCRIPTS`) that may hold a copy. ``changed=True``:
     only those whose members' names are bound to other objects than when last :func:`examined` (every
     module body asks, and must not examine a script again for nothing)."""
-    found = []
+    found: list[ModuleType] = []
     for name in SCRIPTS:
         module = sys.modules.get(name)
         namespace = watcher.namespace(module) if module is not None else None
-        if namespace is None or not candidate(namespace):
+        if namespace is None or not candidate(namespace) or any(module is other for other in found):
             continue
-        if changed and _looked.get(name) == _state(namespace):
+        if changed and _looked.get(str(namespace.get("__name__"))) == _state(namespace):
             continue
-        found.append(module)
+        found.append(module)  # type: ignore[arg-type]
     return found
 
 

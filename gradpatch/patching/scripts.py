@@ -34,11 +34,10 @@ _IMPORT_MACHINERY = ("importlib", "gradpatch.patching.", "_frozen_importlib")
 def unpatched() -> list[tuple[ModuleType, Any, list[Patch]]]:
     """``(script module, family, patches)`` for each copy of a wanted family that a running script
     defines and gradpatch has never examined (a copy it examined is applied, or recorded with why not)."""
-    selected = [family for family in scanning.families() if LEDGER.family_wanted(family.fixes())]
-    if not selected:
-        return []
+    candidates = scanning.scripts()
+    selected = [family for family in scanning.families() if LEDGER.family_wanted(family.fixes())] if candidates else []
     found = []
-    for module in scanning.scripts():
+    for module in candidates if selected else []:
         namespace = watcher.namespace(module) or {}
         for family, patches in scanning.copies(module, namespace, selected):
             new = [patch for patch in patches if patch.name not in LEDGER.known()]
