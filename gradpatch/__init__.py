@@ -33,10 +33,10 @@ _EXPORTS = {
     "applied": "gradpatch.patching.activation",
     "report": "gradpatch.patching.activation",
     "known_patches": "gradpatch.patching.activation",
-    "Patch": "gradpatch.patching.registry",
-    "Record": "gradpatch.patching.registry",
-    "Report": "gradpatch.patching.registry",
-    "Status": "gradpatch.patching.registry",
+    "Patch": "gradpatch.patching.patch",
+    "Record": "gradpatch.patching.patch",
+    "Report": "gradpatch.patching.patch",
+    "Status": "gradpatch.patching.patch",
     "set_checkpoint_policy": "gradpatch.settings",
     "checkpoint_policy_scope": "gradpatch.settings",
     "GradpatchError": "gradpatch.errors",
@@ -64,7 +64,7 @@ if TYPE_CHECKING:
                                   StartupWarning, UnknownCodeWarning)
     from gradpatch.checkpointing.checkpoint import checkpoint
     from gradpatch.checkpointing.budget import checkpoint_plan
-    from gradpatch.patching.registry import Patch, Record, Report, Status
+    from gradpatch.patching.patch import Patch, Record, Report, Status
     from gradpatch.sampling.generic.any_sampler import differentiable
     from gradpatch.doctor import explain_grads, grad_doctor
     from gradpatch.selective import TrainableSummary, trainable
@@ -85,7 +85,7 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_EXPORTS))
 
 
-from gradpatch._switch import OFF as _OFF, enabled as _enabled  # noqa: E402, F401 (start-up, tests)
+from gradpatch.switch import OFF as _OFF, enabled as _enabled  # noqa: E402, F401 (start-up, tests)
 
 
 def _imported_by_site() -> bool:
@@ -104,7 +104,7 @@ def _warn_if_startup_file_missing() -> None:
     if not _enabled() or _imported_by_site():  # from site: the startup file runs right after this
         return
     startup = sys.modules.get("gradpatch._startup")
-    if startup is not None and getattr(startup, "_done", False):
+    if startup is not None and getattr(startup, "done", False):
         return
     if sys.flags.no_site:
         why = "this interpreter was started with -S (no site), so no startup file runs"

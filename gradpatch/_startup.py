@@ -7,16 +7,16 @@ except in strict mode, where the process exits with the message.
 """
 import os
 
-_done = False
+done = False  # read by the package (gradpatch.__init__): whether the start-up entry ran
 
 
 def main() -> None:
-    global _done
-    from gradpatch._switch import enabled as _enabled
+    global done
+    from gradpatch.switch import enabled as _enabled
 
-    if _done or not _enabled():
+    if done or not _enabled():
         return
-    _done = True  # the .pth line and a .start entry may both call this
+    done = True  # the .pth line and a .start entry may both call this
     import warnings
 
     from gradpatch import environment

@@ -23,9 +23,9 @@ import os
 import sys
 from typing import Sequence
 
-from gradpatch._switch import OFF as _OFF
+from gradpatch.switch import OFF as _OFF
 from gradpatch.patching.fingerprint import Fingerprints, fingerprint_source
-from gradpatch.patching.registry import WIDTH, Patch, elide, format_table
+from gradpatch.patching.patch import WIDTH, Patch, elide, format_table
 
 
 def _source_path(module: str) -> str | None:
@@ -54,7 +54,7 @@ def _version(patch: Patch, path: str) -> tuple[str | None, str | None]:
         return None, None
     from importlib.metadata import PackageNotFoundError, distribution
 
-    from gradpatch.patching.activation import split_requirement
+    from gradpatch.patching.versions import split_requirement
 
     name = split_requirement(patch.requires)[0]
     try:

@@ -12,8 +12,8 @@ import site
 import textwrap
 from typing import Iterable
 
-from gradpatch._switch import OFF as _OFF
-from gradpatch.patching.registry import WIDTH
+from gradpatch.switch import OFF as _OFF
+from gradpatch.patching.patch import WIDTH
 
 _STARTUP_FILES = ("gradpatch.pth", "gradpatch.start")
 
@@ -35,7 +35,7 @@ def activity_line(environ: dict[str, str] | None = None, startup: str | None | b
                   width: int = 100) -> str:
     """One line (at most ``width`` columns): whether a Python process started from this environment
     is patched, and how. ``startup``: the start-up file's path, ``None`` for none, ``True`` to look."""
-    from gradpatch.patching.registry import elide
+    from gradpatch.patching.patch import elide
 
     environ = dict(os.environ) if environ is None else environ
     path = startup_file() if startup is True else startup or None

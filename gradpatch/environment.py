@@ -22,7 +22,7 @@ import os
 from typing import NamedTuple
 
 from gradpatch import settings
-from gradpatch._switch import OFF as _OFF
+from gradpatch.switch import OFF as _OFF
 
 _ALL = {"1", "all", "true", "yes", "on"}
 

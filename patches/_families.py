@@ -5,7 +5,7 @@ from typing import Mapping
 
 from gradpatch.patching.families import AutogradFunctionShape, Family, FunctionShape, Member
 from gradpatch.patching.fingerprint import IsObject
-from gradpatch.patching.registry import Patch
+from gradpatch.patching.patch import Patch
 from gradpatch.sampling.generic.any_sampler import fix as _fixes
 from gradpatch.sampling.generic.any_sampler import sampler
 

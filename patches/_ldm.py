@@ -11,7 +11,7 @@ live and which of the family's methods each defines::
         "audioldm2.latent_diffusion.models.ddpm:LatentDiffusion": "sample decode_first_stage:lifted ...",
     }, requires="audioldm2<1")
 
-Each method becomes one :class:`~gradpatch.patching.registry.Patch` named ``"<upstream>.<Class>.<method>"``,
+Each method becomes one :class:`~gradpatch.patching.patch.Patch` named ``"<upstream>.<Class>.<method>"``,
 recognised by every known version of that method (wherever it was found first), so an edited method is
 left alone (with a warning) while its siblings are patched. The same table is the family
 :data:`LDM_SAMPLING` the scan looks for at every other path: a class of the family's name with a
@@ -25,7 +25,7 @@ from typing import Mapping
 
 from gradpatch.patching.families import MethodVersions
 from gradpatch.patching.fingerprint import Fingerprints
-from gradpatch.patching.registry import Patch
+from gradpatch.patching.patch import Patch
 from gradpatch.sampling.lifting.lift import Liftable
 
 from ._ldm_models import MODELS

@@ -19,7 +19,7 @@ version of the two files in the repositories' history (2024-06 to 2025-10); test
 ``tests/test_audiolcm_replica.py`` (GitHub only: no package carries it).
 """
 from gradpatch.patching.fingerprint import Fingerprints
-from gradpatch.patching.registry import Patch
+from gradpatch.patching.patch import Patch
 from gradpatch.sampling.generic.any_sampler import sampler
 
 _SAMPLER = "ldm.models.diffusion.scheduling_lcm:LCMSampler"

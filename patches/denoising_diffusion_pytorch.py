@@ -11,7 +11,7 @@ on the sampling path and stay as written. Fingerprints hash the four methods tog
 """
 from gradpatch.sampling.generic.any_sampler import sampler
 from gradpatch.patching.fingerprint import Fingerprints
-from gradpatch.patching.registry import Patch
+from gradpatch.patching.patch import Patch
 
 _CHAIN = ("sample", "p_sample_loop", "ddim_sample", "p_sample")
 _FIX = sampler(step="model", steps="self.sampling_timesteps")

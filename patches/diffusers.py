@@ -15,7 +15,7 @@ from types import FunctionType, ModuleType
 from typing import NamedTuple
 
 from gradpatch.patching.fingerprint import Identity, has_parameter
-from gradpatch.patching.registry import Patch
+from gradpatch.patching.patch import Patch
 
 _REQUIRES = "diffusers>=0.25,<0.43"
 

@@ -15,7 +15,7 @@ Fingerprints cover every PyPI release (25 distinct ``sample`` definitions); the 
 2.2.2. Pass ``use_vocos=False`` (or a vocoder of your own) to avoid downloading Vocos.
 """
 from gradpatch.patching.fingerprint import Fingerprints, has_parameter
-from gradpatch.patching.registry import Patch
+from gradpatch.patching.patch import Patch
 
 _SAMPLING = "gradpatch.sampling.families.ode"
 

@@ -30,7 +30,7 @@ recorded; they are meant for inference, and patching them would mean replacing t
 ``model.sample(..., cache=False)`` directly (``cache=False`` under ``inference_mode`` raises).
 """
 from gradpatch.patching.fingerprint import Fingerprints, has_parameter
-from gradpatch.patching.registry import Patch
+from gradpatch.patching.patch import Patch
 
 _SAMPLING = "gradpatch.sampling.families.ode"
 

@@ -18,7 +18,7 @@ Only the sdk's copies are declared (openai/guided-diffusion's differ: fingerprin
 """
 from gradpatch.sampling.generic.any_sampler import sampler
 from gradpatch.patching.fingerprint import Fingerprints
-from gradpatch.patching.registry import Patch
+from gradpatch.patching.patch import Patch
 
 from ._families import checkpoint_family
 

@@ -16,7 +16,7 @@ of the cascade; ``grad_steps``/``checkpoint_steps`` are offered one stage at a t
 Fingerprints hash each entry with the levels it calls (imagen-pytorch 2.1.0).
 """
 from gradpatch.patching.fingerprint import Fingerprints
-from gradpatch.patching.registry import Patch
+from gradpatch.patching.patch import Patch
 from gradpatch.sampling.generic.any_sampler import sampler
 
 _IMAGEN = "imagen_pytorch.imagen_pytorch:Imagen"

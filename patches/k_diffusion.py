@@ -22,7 +22,7 @@ installable to test against, and is not declared. Importing ``k_diffusion`` need
 from __future__ import annotations
 
 from gradpatch.patching.fingerprint import Fingerprints, has_parameter
-from gradpatch.patching.registry import Patch
+from gradpatch.patching.patch import Patch
 
 _FIX = "gradpatch.sampling.families.functions"
 

@@ -15,7 +15,7 @@ a manager held in a variable (set ``embedder.is_trainable = True`` for gradients
 ``inference.helpers.do_sample`` samples inside ``ema_scope``.
 """
 from gradpatch.patching.fingerprint import Fingerprints
-from gradpatch.patching.registry import Patch
+from gradpatch.patching.patch import Patch
 from gradpatch.sampling.generic.any_sampler import sampler
 
 from ._families import checkpoint_family, torch_checkpoint_default

@@ -26,7 +26,7 @@ current torch when installed with ``--no-deps``.
 from __future__ import annotations
 
 from gradpatch.patching.fingerprint import Fingerprints, has_parameter
-from gradpatch.patching.registry import Patch
+from gradpatch.patching.patch import Patch
 
 from .k_diffusion import k_diffusion_samplers
 

@@ -79,7 +79,7 @@ def checkpoint(x):
 
 FAKE_PLUGIN = '''
 from gradpatch.patching.fingerprint import Fingerprints
-from gradpatch.patching.registry import Patch
+from gradpatch.patching.patch import Patch
 
 def fix(original):
     def checkpoint(x):

@@ -17,9 +17,9 @@ def switch_to(root: str, package: str) -> None:
         del sys.modules[name]
     sys.path.insert(0, root)
     importlib.invalidate_caches()
-    from gradpatch.patching import activation  # the engine caches installed versions per process
+    from gradpatch.patching import versions  # the engine caches installed versions per process
 
-    activation._installed_version.cache_clear()
+    versions.installed_version.cache_clear()
 
 
 def main(upstream: str, load: Callable[[str], Any], run: Callable[[Any], dict]) -> None:

@@ -19,7 +19,7 @@ from conftest import last_json, run_python
 from gradpatch.checkpointing import plan as budget
 from gradpatch import settings
 from gradpatch.checkpointing import budget as planner
-from gradpatch.patching import registry
+from gradpatch.patching.patch import report_line
 from test_checkpoint_upstream import TARGETS, assert_grads_equal, build, freeze, install, step
 
 AUDIOLDM = TARGETS["audioldm"]
@@ -270,14 +270,14 @@ def test_report_and_doctor_show_the_plan(unet, capsys):
         assert "checkpoint policy budget:1GiB" in str(gradpatch.report())
         for _ in range(planner.TIMING_CALLS + 1):
             step(unet, AUDIOLDM, x)
-        line = registry.report_line()
+        line = report_line()
         assert line.startswith("checkpoint policy budget:1GiB: 12 of 12 blocks kept"), line
         assert line in str(gradpatch.report())
         with gradpatch.grad_doctor(unet):
             step(unet, AUDIOLDM, x)
     err = capsys.readouterr().err
     assert "12 of 12 blocks kept" in err and "output_blocks.1.0._forward" in err
-    assert registry.report_line() == ""
+    assert report_line() == ""
     assert gradpatch.checkpoint_plan is planner.checkpoint_plan
 
 

@@ -104,7 +104,7 @@ def test_status_reports_the_copy_that_gets_imported(tmp_path):
 
 
 def test_report_table_fits_and_shows_deferred_rows_of_missing_packages_on_request():
-    from gradpatch.patching.registry import Record, Report, Status
+    from gradpatch.patching.patch import Record, Report, Status
 
     long = "fixed checkpoint: frozen params, None inputs, dropout RNG, autocast, double backward " * 2
     report = Report([

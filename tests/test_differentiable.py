@@ -313,7 +313,7 @@ def test_a_catalogue_declaration_and_an_unknown_version_opted_in():
     an UnknownCodeWarning, and the string form opts it in."""
     from gradpatch.patching import activation
     from gradpatch.patching.fingerprint import Fingerprints
-    from gradpatch.patching.registry import Patch
+    from gradpatch.patching.patch import Patch
     from gradpatch.sampling.generic.any_sampler import sampler
 
     original = vars(fs.Buffers)["forward"]

@@ -104,7 +104,7 @@ def reference(model, first, cond, style_prompt, negative_style_prompt, cfg_stren
 def patched():
     """The fix of the ``F5_SAMPLE`` family member, which is F5's declared fix (so the scan looks for
     DiffRhythm's copies whenever F5's patch is selected)."""
-    families = __import__(f"{catalogue._builtin_package().__name__}._families", fromlist=["F5_SAMPLE"])
+    families = __import__(f"{catalogue.builtin_package().__name__}._families", fromlist=["F5_SAMPLE"])
     fix = families.F5_SAMPLE.members[0].fix
     assert fix == known_patches()["f5_tts.sample"].fix
     original = vars(DiffRhythmCFM)["sample"]

@@ -97,7 +97,7 @@ def reference(model, condition, algorithm):
 @pytest.fixture
 def patched():
     """The opt-in ``patches/diffsinger.py`` documents, on the replica's module (both entries)."""
-    diffsinger = __import__(f"{catalogue._builtin_package().__name__}.diffsinger", fromlist=["FIX"])
+    diffsinger = __import__(f"{catalogue.builtin_package().__name__}.diffsinger", fromlist=["FIX"])
     records = [gradpatch.differentiable(f"{__name__}:RectifiedFlow.{name}", step="velocity_fn")
                for name in ("forward", "inference")]
     assert all(r.status.value == "applied" and known_patches()[r.patch].fix == diffsinger.FIX for r in records)

@@ -271,7 +271,7 @@ def test_late_apply_of_an_imported_name_rebinds_only_inside_its_package(fake_ups
     (fake_upstream / "bystander.py").write_text("from fakeshared import checkpoint\n")
     out = _run(fake_upstream, f"""
 from gradpatch.patching.fingerprint import IsObject
-from gradpatch.patching.registry import Patch
+from gradpatch.patching.patch import Patch
 from gradpatch.patching import activation
 activation.known_patches()["fakeup.imported"] = Patch(
     "fakeup.imported", "fakeup.util:checkpoint", "fakeplugin:fix", IsObject("fakeshared:checkpoint", "shared"),

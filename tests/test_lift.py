@@ -16,7 +16,7 @@ import gradpatch  # noqa: E402
 from gradpatch.errors import UnknownCodeWarning  # noqa: E402
 from gradpatch.patching.fingerprint import fingerprint_module  # noqa: E402
 from gradpatch.sampling.lifting.lift import Liftable, LiftError, function_fingerprint, lift_no_grad  # noqa: E402
-from gradpatch.patching.registry import Patch  # noqa: E402
+from gradpatch.patching.patch import Patch  # noqa: E402
 
 SOURCE = '''
 import torch as th

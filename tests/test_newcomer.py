@@ -90,7 +90,7 @@ def test_the_license_ships_and_the_sdist_holds_what_make_demo_and_the_tests_need
 
 TWO_ON_ONE_MODULE = '''
 from gradpatch.patching.fingerprint import Fingerprints
-from gradpatch.patching.registry import Patch
+from gradpatch.patching.patch import Patch
 
 def fix(original):
     return original

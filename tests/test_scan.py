@@ -166,9 +166,9 @@ print(json.dumps([found("myfork."), myfork.util.checkpoint.__module__]))
 
 def test_every_declared_checkpoint_fingerprint_belongs_to_the_family():
     from gradpatch.patching.activation import known_patches
-    from gradpatch.patching.catalogue import _builtin_package
+    from gradpatch.patching.catalogue import builtin_package
 
-    family = importlib.import_module(f"{_builtin_package().__name__}._families").CHECKPOINT
+    family = importlib.import_module(f"{builtin_package().__name__}._families").CHECKPOINT
     declared = [p for p in known_patches().values() if p.fix in family.fixes()]
     assert declared
     for patch in declared:
@@ -178,10 +178,10 @@ def test_every_declared_checkpoint_fingerprint_belongs_to_the_family():
 def test_shapes_tell_members_from_torch_code():
     import torch.utils.checkpoint as torch_checkpoint
 
-    from gradpatch.patching.catalogue import _builtin_package
+    from gradpatch.patching.catalogue import builtin_package
     from gradpatch.checkpointing import checkpoint as fix
 
-    family = importlib.import_module(f"{_builtin_package().__name__}._families").CHECKPOINT
+    family = importlib.import_module(f"{builtin_package().__name__}._families").CHECKPOINT
     shapes = {m.name: m.shape for m in family.members}
     assert not shapes["checkpoint"].matches(torch_checkpoint.checkpoint)
     assert not shapes["CheckpointFunction"].matches(torch_checkpoint.CheckpointFunction)

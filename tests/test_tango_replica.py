@@ -110,7 +110,7 @@ def reference(model, prompt, first, guidance_scale=3.0):
 @pytest.fixture
 def patched():
     """The opt-in line ``patches/tango.py`` documents, on the replica's module."""
-    tango = __import__(f"{catalogue._builtin_package().__name__}.tango", fromlist=["FIX"])
+    tango = __import__(f"{catalogue.builtin_package().__name__}.tango", fromlist=["FIX"])
     original = vars(AudioDiffusion)["inference"]
     record = gradpatch.differentiable(f"{__name__}:AudioDiffusion.inference", step="unet", steps="num_steps")
     assert record.status.value == "applied" and known_patches()[record.patch].fix == tango.FIX

@@ -220,6 +220,7 @@ def hold():
         for module in (activation, ledger, settings, sampling):
             if hasattr(module, "_lock"):
                 stack.enter_context(module._lock)
+        stack.enter_context(ledger.LEDGER.locked())
         held.set()
         done.wait(30)
 holder = threading.Thread(target=hold); holder.start(); assert held.wait(30)

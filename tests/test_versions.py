@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from packaging.specifiers import SpecifierSet
 
-from gradpatch.patching.activation import _contains, split_requirement
+from gradpatch.patching.versions import contains, split_requirement
 
 versions = st.builds(lambda a, b, c, tail: f"{a}.{b}.{c}{tail}", st.integers(0, 3), st.integers(0, 3),
                      st.integers(0, 2), st.sampled_from(["", "rc1", "a2", ".post1", ".dev0", "b1"]))
@@ -18,7 +18,7 @@ clauses = st.builds(lambda op, bound: op + bound, st.sampled_from([">=", "<=", "
 @given(st.lists(clauses, min_size=1, max_size=3), versions)
 def test_matches_packaging(specifier_clauses, version):
     specifier = ",".join(specifier_clauses)
-    assert _contains(specifier, version) == SpecifierSet(specifier).contains(version, prereleases=True)
+    assert contains(specifier, version) == SpecifierSet(specifier).contains(version, prereleases=True)
 
 
 def test_split_requirement():

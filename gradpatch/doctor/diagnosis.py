@@ -12,8 +12,9 @@ from typing import Iterator
 import torch
 import torch.utils.checkpoint
 
-from gradpatch.doctor._watch import Watch, watching
+from gradpatch.doctor.watch import Watch, watching
 from gradpatch.patching import activation
+from gradpatch.patching.ledger import LEDGER
 from gradpatch.patching.fingerprint import Fingerprints
 
 _REMEDY = "run with GRADPATCH=1 (or call gradpatch.apply() before the model is built)"
@@ -56,7 +57,7 @@ def _remedy(module_name: str) -> str:
                 "torch.utils.checkpoint.checkpoint there, or bind "
                 "gradpatch.checkpointing.checkpoint.non_reentrant(torch.utils.checkpoint.checkpoint) in its place")
     record = next((r for r in activation.report() if r.patch == patch.name), None)
-    if record is not None and patch.name in activation._wanted:
+    if record is not None and LEDGER.is_wanted(patch.name):
         return (f"gradpatch's {patch.name!r} is active here but not in effect ({record.status.value}: "
                 f"{record.reason}); see gradpatch.report()")
     return _REMEDY
@@ -100,7 +101,7 @@ def _broken_checkpoint(module_class: type, watched: bool = False) -> tuple[str, 
 def _no_grad_sampler(model: torch.nn.Module) -> str | None:
     for patch in activation.known_patches().values():
         owner, _, method = patch.qualname.rpartition(".")
-        if method != "sample" or type(model).__name__ != owner or patch.name in activation._installed:
+        if method != "sample" or type(model).__name__ != owner or LEDGER.is_installed(patch.name):
             continue
         sample = getattr(type(model), "sample", None)
         if sample is not None and inspect.unwrap(sample) is not sample:

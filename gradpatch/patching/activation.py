@@ -8,7 +8,8 @@ member's name it asks :mod:`~gradpatch.patching.scan` for copies of a selected f
 them: they join the known patches, so a reload patches them again and every later selection of their
 family selects them. When revert() leaves nothing wanted, the watcher stops and the import system is
 exactly as it was. The state (what is known, wanted, installed, recorded) and applying one patch live
-in :mod:`~gradpatch.patching.ledger`, under its lock.
+in :mod:`~gradpatch.patching.ledger` (its one :class:`~gradpatch.patching.ledger.Ledger`, asked through
+its methods, under its lock).
 
 Layers, lowest first, each importing only those below it: :mod:`~gradpatch.patching.watcher`
 (imports nothing of gradpatch), :mod:`~gradpatch.patching.hooks` (install, rebind),
@@ -23,22 +24,31 @@ from typing import Iterable, Iterator
 
 from gradpatch import environment, settings
 from gradpatch.errors import ConfigWarning, PatchFailedWarning, complain
-from gradpatch.patching import ledger, watcher
+from gradpatch.patching import watcher
 from gradpatch.patching import scan as scanning
-from gradpatch.patching.hooks import forget, uninstall
-from gradpatch.patching.ledger import (_adopted, _apply_now, _index, _installed, _record, _records,  # noqa: F401
-                                       _requested, _superseded, _unseen, _wanted, known_patches, select)
-from gradpatch.patching.registry import Patch, Record, Report, Status
-from gradpatch.patching.versions import _contains, _installed_version, split_requirement  # noqa: F401 (used by cli, tests)
+from gradpatch.patching import scripts
+from gradpatch.patching.ledger import LEDGER, known_patches, select
+from gradpatch.patching.patch import Patch, Record, Report, Status
 
 
 def _body_ran(module: ModuleType, late: bool) -> None:
     """The watcher's listener: ``module``'s body has run. Cheap for the modules gradpatch has no
-    business with (a dict lookup and a key test, no lock); never breaks the import (unless strict)."""
+    business with (a dict lookup and a key test, no lock); never breaks the import (unless strict).
+    A running script that has changed a family member's name since is examined too when an
+    ``import`` statement of its own code ran this body (see :mod:`~gradpatch.patching.scripts`): no
+    import ever ends a script's body, and this is a point between two of its statements."""
     namespace = watcher.namespace(module)
     name = namespace.get("__name__") if namespace is not None else None
-    if not isinstance(name, str) or (name not in _index() and not scanning.candidate(namespace)):  # type: ignore[arg-type]
-        return
+    if isinstance(name, str) and (name in LEDGER.targets() or scanning.candidate(namespace)):  # type: ignore[arg-type]
+        _patch(module, name, late)
+    if scanning.enabled:
+        for script in scanning.scripts(changed=True):
+            if scripts.between_statements(script):
+                scanning.examined(script)
+                _patch(script, script.__name__, True)
+
+
+def _patch(module: ModuleType, name: str, late: bool) -> None:
     try:
         _on_import(module, late=late)
     except Exception as exc:
@@ -55,51 +65,41 @@ def _on_import(module: ModuleType, *, late: bool = False) -> list[Record]:
     name = module.__name__
     if name.partition(".")[0] == "gradpatch":
         return []
-    if name in _index():
-        with ledger._lock:
-            for patch in _index().get(name, ()):
-                _apply_now(patch, module, late=late)
+    if name in LEDGER.targets():
+        with LEDGER.locked():
+            for patch in LEDGER.targets().get(name, ()):
+                LEDGER.apply_now(patch, module, late=late)
         return []
     namespace = watcher.namespace(module)
     if namespace is None or not scanning.candidate(namespace):
         return []
-    selected = [family for family in scanning.families() if _family_wanted(family.fixes())]
+    selected = [family for family in scanning.families() if LEDGER.family_wanted(family.fixes())]
     found = scanning.copies(module, namespace, selected) if selected else []
     records: list[Record] = []
     if found:
-        with ledger._lock:
+        with LEDGER.locked():
             for family, patches in found:
-                if _family_wanted(family.fixes()):  # still: a revert may have run meanwhile
+                if LEDGER.family_wanted(family.fixes()):  # still: a revert may have run meanwhile
                     records += _adopt(patches, module, late=late, fixes=family.fixes())
     return records
-
-
-def _family_wanted(fixes: frozenset[str]) -> bool:
-    """Whether a wanted declared patch uses one of a family's ``fixes``: its copies are wanted then.
-    Reads snapshots, without the lock."""
-    patches = ledger._patches or {}
-    return any(getattr(patches.get(name), "fix", None) in fixes for name in list(_wanted) if name not in _adopted)
 
 
 def _adopt(patches: Iterable[Patch], module: ModuleType, *, late: bool, fixes: frozenset[str]) -> list[Record]:
     """Apply ``patches`` that :mod:`gradpatch.patching.scan` built for a family copy found in ``module``. They
     join this process's catalogue, so report(), revert(), a reload and every later selection of the
     family treat them as declared patches. Lock held."""
-    new = [patch for patch in patches if patch.name not in known_patches()]
-    for patch in new:  # all of them first: one warning names every patch on the module
-        known_patches()[patch.name] = patch
-        _adopted[patch.name] = fixes
-        _wanted.add(patch.name)
+    patches = list(patches)
+    new = LEDGER.adopt(patches, fixes)  # all of them first: one warning names every patch on the module
     for patch in new:
-        _apply_now(patch, module, late=late)
-    return [_records[p.name] for p in patches if p.name in _records]
+        LEDGER.apply_now(patch, module, late=late)
+    return LEDGER.records(p.name for p in patches)
 
 
 def _sweep() -> list[Record]:
     """Adopt the copies in modules imported before the scan was on (or by a loader the watcher
     cannot see); a module still being imported is examined when its body finishes. Lock held."""
     records: list[Record] = []
-    index = _index()
+    index = LEDGER.targets()
     for module in list(sys.modules.values()):
         namespace = watcher.namespace(module)
         if namespace is None or not scanning.candidate(namespace) or watcher.unloaded(module):
@@ -121,21 +121,21 @@ def _sweep() -> list[Record]:
 
 def _start(patch: Patch) -> None:
     """Make ``patch`` wanted: apply it now, or when its module's body has run. Lock held."""
-    _wanted.add(patch.name)
+    LEDGER.want(patch)
     module = sys.modules.get(patch.module)
     if module is None:
-        _record(patch, Status.DEFERRED, f"waiting for {patch.module} to be imported")
+        LEDGER.record(patch, Status.DEFERRED, f"waiting for {patch.module} to be imported")
     elif watcher.unloaded(module):
-        _record(patch, Status.DEFERRED, f"waiting for {patch.module}, imported lazily, to load on first use")
+        LEDGER.record(patch, Status.DEFERRED, f"waiting for {patch.module}, imported lazily, to load on first use")
     elif watcher.running(module):
         # Its body is running right now (in another thread, or further up this thread's stack).
-        _record(patch, Status.DEFERRED, f"waiting for the import of {patch.module} in progress to finish")
+        LEDGER.record(patch, Status.DEFERRED, f"waiting for the import of {patch.module} in progress to finish")
         if not watcher.defer(module):
             complain(PatchFailedWarning, f"gradpatch: {patch.module} is being imported and its import "
                      f"cannot be watched, so {patch.name!r} is applied only if it is imported again; call "
                      "gradpatch.apply() again once that import has finished")
     else:
-        _apply_now(patch, module, late=True)
+        LEDGER.apply_now(patch, module, late=True)
 
 
 def apply(*names: str | Iterable[str], exclude: str | Iterable[str] | None = None, strict: bool | None = None,
@@ -181,25 +181,26 @@ def _apply(names: tuple, exclude: object, env: environment.Environment, scan: bo
         exclude, exclude_source = env.exclude, "GRADPATCH_EXCLUDE"
     selected, excluded = select(names, exclude, source=source, exclude_source=exclude_source)  # type: ignore[arg-type]
     scan_on = env.scan if scan is None else bool(scan)
-    with ledger._lock:
+    with LEDGER.locked():
         for patch in excluded:
-            if patch.name not in _wanted:
-                _record(patch, Status.SKIPPED, "excluded")
+            if not LEDGER.is_wanted(patch.name):
+                LEDGER.record(patch, Status.SKIPPED, "excluded")
         scanning.enabled = scan_on
         if scan_on:
             scanning.families()
         if selected:
             watcher.start(_body_ran)
+            if scan_on:
+                scripts.watch_exit()
         for patch in selected:
-            if patch.name not in _wanted or _unseen(patch):
+            if not LEDGER.is_wanted(patch.name) or LEDGER.unseen(patch):
                 _start(patch)
         # Copies the scan adopted earlier are part of every selection of their family.
-        again = [known_patches()[name] for name, fixes in _adopted.items()
-                 if scan_on and name not in _wanted and _family_wanted(fixes)]
+        again = LEDGER.copies_to_restart() if scan_on else []
         for patch in again:
             _start(patch)
         found = _sweep() if scan_on and selected else []
-        return Report([_records[p.name] for p in selected + excluded + again if p.name in _records] + found)
+        return Report(LEDGER.records(p.name for p in selected + excluded + again) + found)
 
 
 def request(patch: Patch) -> Record:
@@ -207,16 +208,15 @@ def request(patch: Patch) -> Record:
     (:func:`gradpatch.differentiable`'s string form). Requesting the same target again with other
     options reverts the earlier patch first; once reverted, it leaves the catalogue (a later
     ``apply()`` does not bring it back). Returns its record."""
-    with ledger._lock:
+    with LEDGER.locked():
         known = known_patches()
-        if patch.name in known and known[patch.name] != patch and patch.name in _wanted:
+        if patch.name in known and known[patch.name] != patch and LEDGER.is_wanted(patch.name):
             revert(patch.name)
-        known[patch.name] = patch
-        _requested.add(patch.name)
-        if patch.name not in _wanted:
+        LEDGER.add_requested(patch)
+        if not LEDGER.is_wanted(patch.name):
             watcher.start(_body_ran)
             _start(patch)
-        return _records[patch.name]
+        return LEDGER.record_of(patch.name)  # type: ignore[return-value]
 
 
 def revert(*names: str | Iterable[str]) -> Report:
@@ -227,32 +227,15 @@ def revert(*names: str | Iterable[str]) -> Report:
     nothing is left applied, the checkpoint policy that ``apply(checkpoint=...)`` (or
     ``GRADPATCH_CHECKPOINT``) set is put back as it was before, unless it was set otherwise since.
     """
-    with ledger._lock:
-        chosen = select(names, source="revert()")[0] if names else [known_patches()[n] for n in _wanted]
-        chosen_names = {p.name for p in chosen}
+    with LEDGER.locked():
+        chosen = select(names, source="revert()")[0] if names else [known_patches()[n] for n in LEDGER.wanted()]
         # A copy the scan adopted goes with the last wanted declared patch of its family.
-        left = _wanted - chosen_names
-        for name, fixes in _adopted.items():
-            if name in left and not any(known_patches()[n].fix in fixes for n in left if n not in _adopted):
-                chosen.append(known_patches()[name])
-                chosen_names.add(name)
-        for name in reversed(list(_installed)):
-            if name in chosen_names:
-                uninstall(_installed.pop(name))
-        for name in chosen_names:
-            for stale in reversed(_superseded.pop(name, [])):
-                forget(stale)
-        for patch in chosen:
-            if patch.name in _wanted:
-                _wanted.discard(patch.name)
-                _record(patch, Status.REVERTED, "reverted")
-            if patch.name in _requested:  # asked for once: a later apply() does not bring it back
-                _requested.discard(patch.name)
-                known_patches().pop(patch.name, None)
-        if not _wanted:
+        chosen += LEDGER.copies_going_with({p.name for p in chosen})
+        LEDGER.withdraw(chosen)
+        if not LEDGER.wanted():
             watcher.stop()  # the import system exactly as it was
             settings.undo_applied_policy()  # and the checkpoint policy, if apply(checkpoint=...) set it
-        return Report(_records[p.name] for p in chosen if p.name in _records)
+        return Report(LEDGER.records(p.name for p in chosen))
 
 
 @contextlib.contextmanager
@@ -270,14 +253,14 @@ def applied(*names: str | Iterable[str], exclude: str | Iterable[str] | None = N
     policy = checkpoint if checkpoint is not None else env.checkpoint
     if policy is not None:
         overrides["checkpoint_policy"] = settings.check_policy(policy)
-    with ledger._lock:
-        before = set(_wanted)
+    with LEDGER.locked():
+        before = set(LEDGER.wanted())
     with settings.scope(**overrides):
         try:
             yield _apply(names, exclude, env, scan)
         finally:
-            with ledger._lock:
-                mine = [name for name in _wanted if name not in before]
+            with LEDGER.locked():
+                mine = [name for name in LEDGER.wanted() if name not in before]
             if mine:
                 revert(*mine)
 
@@ -285,12 +268,16 @@ def applied(*names: str | Iterable[str], exclude: str | Iterable[str] | None = N
 def report() -> Report:
     """What happened to every patch this process has selected: applied, deferred, skipped (with the
     reason), failed (with the error) or reverted. A patch not in place although its module's body has
-    run (by a loader gradpatch cannot watch) says so, and is warned about once."""
-    with ledger._lock:
-        for name in [name for name in _wanted if _records.get(name, None) is not None]:
-            why = _unseen(known_patches()[name])
-            if why is not None and _records[name].reason != why:
-                _record(known_patches()[name], Status.DEFERRED, why)
+    run (by a loader gradpatch cannot watch) says so, and is warned about once; so does a copy the
+    running script defined after gradpatch last examined it (:mod:`~gradpatch.patching.scripts`)."""
+    with LEDGER.locked():
+        if scanning.enabled:
+            with settings.scope(strict=False):  # a report is for reading: it never raises
+                scripts.report_unpatched()
+        for name in [name for name in LEDGER.wanted() if LEDGER.record_of(name) is not None]:
+            why = LEDGER.unseen(known_patches()[name])
+            if why is not None and LEDGER.record_of(name).reason != why:  # type: ignore[union-attr]
+                LEDGER.record(known_patches()[name], Status.DEFERRED, why)
                 if not settings.strict:  # a report is for reading: it never raises
                     complain(PatchFailedWarning, f"gradpatch: {name!r} is not applied: {why}", once=True)
-        return Report(_records.values())
+        return Report(LEDGER.records())

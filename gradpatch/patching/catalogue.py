@@ -1,4 +1,4 @@
-"""Finding every declared :class:`~gradpatch.patching.registry.Patch`.
+"""Finding every declared :class:`~gradpatch.patching.patch.Patch`.
 
 The built-in catalogue is the package ``gradpatch.patches`` (the top-level ``patches/`` folder of the
 source tree, shipped inside the wheel): each of its modules named in ``MODULES`` exposes a list
@@ -16,12 +16,48 @@ from pathlib import Path
 from types import ModuleType
 
 from gradpatch.errors import ConfigWarning, complain
-from gradpatch.patching.registry import Patch
+from gradpatch.patching.patch import Patch
 
 ENTRY_POINT_GROUP = "gradpatch.patches"
 
 
-def _builtin_package() -> ModuleType:
+class Catalogue(dict):  # type: ignore[type-arg]
+    """The known patches by name: a dict that counts its changes, so that the index by module (read
+    at every module body) knows in O(1) whether it is current, whoever changed it (the scan, a
+    request, a test)."""
+
+    changes = 0
+
+    def __setitem__(self, key: str, value: Patch) -> None:
+        super().__setitem__(key, value)
+        self.changes += 1
+
+    def __delitem__(self, key: str) -> None:
+        super().__delitem__(key)
+        self.changes += 1
+
+    def pop(self, *args: object) -> object:  # type: ignore[override]
+        self.changes += 1
+        return super().pop(*args)  # type: ignore[arg-type]
+
+    def update(self, *args: object, **kwargs: object) -> None:  # type: ignore[override]
+        super().update(*args, **kwargs)  # type: ignore[arg-type]
+        self.changes += 1
+
+    def setdefault(self, key: str, default: Patch) -> Patch:  # type: ignore[override]
+        self.changes += 1
+        return super().setdefault(key, default)
+
+    def popitem(self) -> tuple[str, Patch]:
+        self.changes += 1
+        return super().popitem()
+
+    def clear(self) -> None:
+        super().clear()
+        self.changes += 1
+
+
+def builtin_package() -> ModuleType:
     try:
         return importlib.import_module("gradpatch.patches")
     except ModuleNotFoundError:
@@ -77,7 +113,7 @@ def _from_entry_points() -> list[Patch]:
 
 def load() -> dict[str, Patch]:
     """Every known patch by name, built-in first, in declaration order."""
-    package = _builtin_package()
+    package = builtin_package()
     patches: dict[str, Patch] = {}
     for name in package.MODULES:
         for patch in importlib.import_module(f"{package.__name__}.{name}").PATCHES:

@@ -21,7 +21,7 @@ from types import ModuleType
 from typing import Callable, Mapping, NamedTuple, Sequence
 
 from gradpatch.patching.fingerprint import Fingerprints
-from gradpatch.patching.registry import Patch
+from gradpatch.patching.patch import Patch
 
 _VARARGS = 0x04  # inspect.CO_VARARGS
 
@@ -77,7 +77,7 @@ class AutogradFunctionShape(NamedTuple):
 
 class Member(NamedTuple):
     """One definition of a family: its ``name``, its ``shape``, and ``fix`` (``"module:factory"``,
-    as in :class:`~gradpatch.patching.registry.Patch`), or None for a definition that is hashed with the
+    as in :class:`~gradpatch.patching.patch.Patch`), or None for a definition that is hashed with the
     others but never replaced (its callers are). ``marks_copy``: a module defining this member
     alone, in its shape, holds a copy (e.g. ``CheckpointFunction`` whose ``checkpoint`` was rebound);
     otherwise a module holds one when it defines every member of a fingerprinted set."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Iterable
 
 from gradpatch.errors import ConfigWarning, complain
-from gradpatch.patching.registry import Patch
+from gradpatch.patching.patch import Patch
 
 
 def name_list(values: Iterable[object], argument: str) -> tuple[str, ...]:

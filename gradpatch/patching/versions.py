@@ -17,7 +17,7 @@ def split_requirement(requires: str) -> tuple[str, str]:
     return requires[:cut].strip(), requires[cut:].strip()
 
 
-def _contains(specifier: str, found: str) -> bool:
+def contains(specifier: str, found: str) -> bool:
     """PEP 440 containment, prereleases included (tests check it against ``SpecifierSet``).
 
     This runs inside the user's ``import`` of a target, where ``packaging.specifiers`` would cost
@@ -54,7 +54,7 @@ def _contains(specifier: str, found: str) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _installed_version(requires: str | None) -> tuple[str | None, str | None]:
+def installed_version(requires: str | None) -> tuple[str | None, str | None]:
     """``(version, problem)``: the installed distribution's version and why it is out of range."""
     if not requires:
         return None, None
@@ -65,6 +65,6 @@ def _installed_version(requires: str | None) -> tuple[str | None, str | None]:
         found = version(name)
     except PackageNotFoundError:
         return None, None  # a vendored copy: the fingerprint decides
-    if specifier and not _contains(specifier, found):
+    if specifier and not contains(specifier, found):
         return found, f"{name} {found} is outside the supported range {specifier}"
     return found, None

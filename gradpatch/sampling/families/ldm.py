@@ -4,7 +4,7 @@ AudioSR, ...): ``DDIMSampler``, ``PLMSSampler``, ``DPMSolverSampler``, ``DDPM``/
 These codebases decorate nearly every method of a sampling call with ``@torch.no_grad()``: the public
 entry point (``DDIMSampler.sample``), the loop it calls (``ddim_sampling``), the step (``p_sample_ddim``)
 and the decoder (``decode_first_stage``). The fixes here are declared per method in ``patches/``, each
-method recognised by its own fingerprint; a target is one :class:`~gradpatch.patching.registry.Patch` naming
+method recognised by its own fingerprint; a target is one :class:`~gradpatch.patching.patch.Patch` naming
 one of these factories:
 
 ``entry`` (public entry points: ``DDIMSampler.sample``/``decode``/``stochastic_encode``,

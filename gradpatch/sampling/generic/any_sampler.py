@@ -22,7 +22,7 @@ not passed; dotted, ``"self.num_timesteps"``, reads an attribute), or is a calla
 bound arguments; needed for ``grad_steps``.
 
 **The string form** ``differentiable("module:Qual.name", step=..., steps=...)`` patches that attribute
-in place, now if the module is imported, else the moment it is (a :class:`~gradpatch.patching.registry.Patch`
+in place, now if the module is imported, else the moment it is (a :class:`~gradpatch.patching.patch.Patch`
 of upstream ``differentiable``, as if declared in the catalogue). The replacement takes the same
 keywords with ``cache=True`` by default (upstream's call, bitwise). It is listed in
 :func:`gradpatch.report` and undone by :func:`gradpatch.revert` (the original object back). It returns
@@ -82,7 +82,7 @@ with :func:`sampler` as its fix (recognised by fingerprint like any other)::
 
     from gradpatch.sampling.generic.any_sampler import sampler
     from gradpatch.patching.fingerprint import Fingerprints
-    from gradpatch.patching.registry import Patch
+    from gradpatch.patching.patch import Patch
 
     PATCHES = [
         Patch("matcha.cfm", "matcha.models.components.flow_matching:BASECFM.forward",
@@ -110,7 +110,7 @@ def _encode(value: str | None) -> str:
 
 
 def sampler(step: str | None = None, steps: str | None = None) -> str:
-    """The ``fix`` of a :class:`~gradpatch.patching.registry.Patch` whose target is made differentiable by
+    """The ``fix`` of a :class:`~gradpatch.patching.patch.Patch` whose target is made differentiable by
     :func:`differentiable` with these ``step``/``steps`` (names, as in the string form)."""
     for name, value in (("step", step), ("steps", steps)):
         if value is not None and not isinstance(value, str):
@@ -176,7 +176,7 @@ def differentiable(target: Any, step: Any = None, steps: Any = None) -> Any:
 
     ``target`` is a function or bound method (returns the differentiable callable, ``cache=False`` by
     default) or ``"module:Qual.name"`` (patches it in place, ``cache=True`` by default; returns the
-    :class:`~gradpatch.patching.registry.Record`). ``step``: what one sampler step calls (for
+    :class:`~gradpatch.patching.patch.Record`). ``step``: what one sampler step calls (for
     ``checkpoint_steps``); ``steps``: the argument holding the number of steps (for ``grad_steps``).
     """
     if isinstance(target, str):
@@ -188,7 +188,7 @@ def differentiable(target: Any, step: Any = None, steps: Any = None) -> Any:
                 raise TypeError(f"gradpatch.differentiable({target!r}): with a string target, {name}= is a name "
                                 f"(an attribute of the object or an argument), not {value!r}")
         from gradpatch.patching.activation import request
-        from gradpatch.patching.registry import Patch
+        from gradpatch.patching.patch import Patch
 
         return request(Patch(f"{UPSTREAM}:{target}", target, sampler(step, steps), Requested(), UPSTREAM,
                              f"made differentiable on request (step={step}, steps={steps})"))

@@ -25,7 +25,7 @@ grad-mode decorators are looked through: a ``functools.wraps`` wrapper someone i
 its own, recognised (and left alone) as such. The copy is cached per function (each closure of a
 factory keeps its own cells and defaults); the compiled code per code object. ``with`` blocks inside
 functions, lambdas and classes defined in the body are left as they are. A file edited after import and a ``.pyc`` without its source are refused. :class:`Liftable`, a recogniser for
-:class:`gradpatch.patching.registry.Patch`, fingerprints that same source (the hash
+:class:`gradpatch.patching.patch.Patch`, fingerprints that same source (the hash
 ``python -m gradpatch.patching.fingerprint FILE Class.method`` prints) and reports anything else as unknown
 code, so the engine skips it with an :class:`~gradpatch.errors.UnknownCodeWarning` and records it like
 every other patch. Grad-mode managers are recognised through the module's imports (``torch.no_grad``,

@@ -12,7 +12,7 @@ import weakref
 
 import torch
 
-from gradpatch.doctor._watch import watching
+from gradpatch.doctor.watch import watching
 from gradpatch.doctor.diagnosis import checkpoint_plan_text, explain_grads
 
 
