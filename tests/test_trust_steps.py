@@ -86,3 +86,79 @@ def test_an_evaluation_leaving_the_fast_path_runs_once_and_draws_its_generator_o
     torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
     assert calls == N
     assert_grads_close(got, weighted_grads(want, params), rtol=1e-9)
+
+
+# --- grad_steps with step="odeint": never silently ignored (issue 28, item 2) ----------------------------
+
+_ODE_SAMPLERS = '''
+import torch
+import torchdiffeq
+from torchdiffeq import odeint, odeint_adjoint
+
+
+class Field(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, t, x):
+        return torch.tanh(self.lin(x) + t)
+
+
+@torch.no_grad()
+def by_attribute(field, x, steps=4):
+    return torchdiffeq.odeint(field, x, torch.linspace(0, 1, steps + 1, dtype=x.dtype), method="euler")[-1]
+
+
+@torch.no_grad()
+def adjoint(field, x, steps=4):
+    return odeint_adjoint(field, x, torch.linspace(0, 1, steps + 1, dtype=x.dtype), method="euler",
+                          adjoint_params=tuple(field.parameters()))
+'''
+
+
+@pytest.fixture(scope="module")
+def ode_module():
+    import sys
+    import types
+
+    pytest.importorskip("torchdiffeq")
+    module = types.ModuleType("gradpatch_test_ode_samplers")
+    sys.modules[module.__name__] = module
+    exec(compile(_ODE_SAMPLERS, "<ode samplers>", "exec"), vars(module))
+    yield module
+    del sys.modules[module.__name__]
+
+
+def _hand_euler(field, x, steps=N, detach_at=None):
+    ts = torch.linspace(0, 1, steps + 1, dtype=x.dtype)
+    for i in range(steps):
+        x = x.detach() if i == detach_at else x
+        x = x + (ts[i + 1] - ts[i]) * field(ts[i], x)
+    return x
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_grad_steps_with_odeint_called_by_attribute_says_it_had_no_effect(ode_module, k):
+    """Before: the untruncated gradient, silently (a norm 10.2 / 8.73 in the report's scenario)."""
+    torch.manual_seed(0)
+    field = ode_module.Field().double()
+    x, _ = _inputs()
+    sample = gradpatch.differentiable(ode_module.by_attribute, step="odeint", steps="steps")
+    plain = sample(field, x)  # no option: the plain graph, as before
+    assert_grads_close(weighted_grads(plain, [x, *field.parameters()]),
+                       weighted_grads(_hand_euler(field, x), [x, *field.parameters()]), rtol=1e-9)
+    with pytest.raises(RuntimeError, match="grad_steps had no effect"):
+        sample(field, x, grad_steps=k)
+    with pytest.raises(RuntimeError, match="checkpoint_steps had no effect"):
+        sample(field, x, checkpoint_steps=True)
+
+
+@pytest.mark.parametrize("options", [{"grad_steps": 1}, {"checkpoint_steps": True}])
+def test_grad_steps_with_odeint_adjoint_is_refused(ode_module, options):
+    torch.manual_seed(0)
+    field = ode_module.Field().double()
+    x, _ = _inputs()
+    sample = gradpatch.differentiable(ode_module.adjoint, step="odeint_adjoint", steps="steps")
+    with pytest.raises(RuntimeError, match="odeint_adjoint"):
+        sample(field, x, **options)

@@ -221,6 +221,10 @@ def call(sampler: Sampler, original: Callable[..., Any], args: tuple, kwargs: di
                            "sampler step calls once, or use checkpoint_steps")
     if options.checkpoint_steps and state.evaluations == 0:
         raise RuntimeError(f"gradpatch.differentiable({where}): checkpoint_steps had no effect: step was never called")
+    if ode and options.grad_steps is not None and state.evaluations == 0:
+        raise RuntimeError(f"gradpatch.differentiable({where}): grad_steps had no effect: the sampler never called "
+                           f"the solver through its module's global {sampler.step!r} (it calls torchdiffeq.odeint by "
+                           "attribute, or another solver), so no step could be cut. Pass as step what it calls")
     if wanted and not any(t.requires_grad for t in _tensors(out)):
         raise NotDifferentiableError(f"gradpatch.differentiable({where}) returned {_describe(out)}; gradients "
                                      "cannot flow through it. Return the tensor itself (convert it afterwards)")
