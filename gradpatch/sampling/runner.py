@@ -43,6 +43,7 @@ import contextlib
 import functools
 import inspect
 import os
+import sys
 import threading
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -73,16 +74,20 @@ class SamplingRun:
 
     window: Any = None  # grad_steps: the _window.Window between steps N-K-1 and N-K, while open
 
-    def open_window(self, tainted: Any) -> None:
+    def open_window(self, tainted: Any, caller: Any = None) -> None:
         from gradpatch.sampling._window import Window
 
-        self.window = Window(tainted)
+        self.window = Window(tainted, caller)
         self.window.__enter__()
 
-    def close_window(self) -> None:
+    def close_window(self, starting: str | None = None) -> None:
+        """Exit the window; ``starting``: step N-K starts (the window may refuse what it saw)."""
         if self.window is not None:
             window, self.window = self.window, None
             window.__exit__(None, None, None)
+            window.close()
+            if starting is not None:
+                window.check(starting)
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
@@ -247,9 +252,9 @@ def run_step(step: int, total: int, fn: Callable[..., T], *args: Any, **kwargs: 
         if step == first - 1:
             torch._C._set_grad_enabled(True)
             run.cut = False
-            run.open_window(out)
+            run.open_window(out, sys._getframe(1))
         return out
-    run.close_window()
+    run.close_window(f"gradpatch (grad_steps={options.grad_steps}, step {step} of {total})")
     if run.cut:  # a step at or after N-K whose predecessor did not end the cut (steps skipped)
         torch._C._set_grad_enabled(True)
         run.cut = False
