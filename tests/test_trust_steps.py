@@ -254,3 +254,51 @@ def test_grad_steps_refuses_a_parameter_it_cannot_place():
     got = weighted_grads(gradpatch.differentiable(model.sample, step="net", steps="steps")(x, mu, grad_steps=1),
                          params)
     assert_grads_close(got, weighted_grads(model.by_hand(x, mu, detach_at=N - 1), params), rtol=1e-9)
+
+
+# --- grad_steps with guidance that differentiates through the step itself (issue 28, item 14) -----------
+
+
+class Guided(nn.Module):
+    """DPS-style guidance: the step evaluated inside the sampler's own ``torch.enable_grad()`` on a detached
+    copy of the latent, ``torch.autograd.grad`` of a loss on its output. ``inside``: the state update is
+    written inside that block too."""
+
+    def __init__(self, inside: bool) -> None:
+        super().__init__()
+        self.inside, self.pre, self.net = inside, nn.Linear(4, 4), Velocity()
+
+    def step(self, x, mu, steps):
+        h = self.pre(x)
+        with torch.enable_grad():
+            xg = h.detach().requires_grad_()
+            eps = self.net(xg, mu)
+            g, = torch.autograd.grad((eps - 0.5).square().sum(), xg, retain_graph=True)
+            if self.inside:
+                return x + eps / steps - 0.1 * g
+        return x + eps / steps - 0.1 * g
+
+    @torch.no_grad()
+    def sample(self, x, mu, steps=N):
+        for i in range(steps):
+            x = self.step(x, mu, steps)
+        return x
+
+    def by_hand(self, x, mu, steps=N, detach_at=None):
+        for i in range(steps):
+            x = x.detach() if i == detach_at else x
+            x = self.step(x, mu, steps)
+        return x
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+@pytest.mark.parametrize("inside", [False, True], ids=["update-after", "update-inside"])
+def test_grad_steps_with_guidance_through_the_step(inside, k):
+    """Before: "element 0 of tensors does not require grad" in the first cut step."""
+    torch.manual_seed(0)
+    model = Guided(inside).double()
+    x, mu = _inputs()
+    params = [x, mu, *model.parameters()]
+    out = gradpatch.differentiable(model.sample, step="net", steps="steps")(x, mu, grad_steps=k)
+    assert_grads_close(weighted_grads(out, params),
+                       weighted_grads(model.by_hand(x, mu, detach_at=N - k if k < N else None), params), rtol=1e-9)

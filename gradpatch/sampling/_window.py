@@ -32,6 +32,9 @@ from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_map
+
+from gradpatch.checkpointing._compat import sequence_nr
 
 from gradpatch.sampling._values import tensors as _all_tensors
 
@@ -45,10 +48,13 @@ class Window(TorchFunctionMode):
     """Entered when grad resumes, exited when step N-K starts (or the call ends). ``caller``: the frame
     that called step N-K-1's evaluation (its callers are read up from it)."""
 
-    def __init__(self, tainted: Any, caller: FrameType | None = None) -> None:
+    def __init__(self, tainted: Any, caller: FrameType | None = None, since: int | None = None) -> None:
         super().__init__()
         self.tainted: dict[int, weakref.ref] = {}
         self.taint(tainted)
+        # Guidance recorded step N-K-1 inside its own enable_grad(): what that block computed from then
+        # until now (autograd nodes numbered in [since, until)) is tainted too.
+        self.since, self.until = (since, sequence_nr()) if since is not None else (0, 0)
         # id -> (frame, its position when it called step N-K-1, the frame it was calling then)
         self.frames: dict[int, tuple[FrameType, int, FrameType | None]] = {}
         child = None
@@ -89,7 +95,25 @@ class Window(TorchFunctionMode):
 
     def _is_tainted(self, tensor: torch.Tensor) -> bool:
         ref = self.tainted.get(id(tensor))
-        return ref is not None and ref() is tensor
+        if ref is not None and ref() is tensor:
+            return True
+        node = tensor.grad_fn if self.until else None
+        return node is not None and self.since <= node._sequence_nr() < self.until
+
+    def _constant(self, value: Any) -> Any:
+        """``value`` without the graph of the cut steps, if it is a tainted tensor that has one (guidance
+        recorded them): detached in place where it can be (the sampler's own variable then holds the
+        constant latent), else a detached copy."""
+        if not (isinstance(value, torch.Tensor) and value.requires_grad and self._is_tainted(value)):
+            return value
+        if value._base is None and not value.is_leaf:
+            value.detach_()
+            return value
+        return value.detach()
+
+    def detached(self, values: Any) -> Any:
+        """``values`` (step N-K's arguments) with the tainted tensors among them constant."""
+        return tree_map(self._constant, values)
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -103,6 +127,7 @@ class Window(TorchFunctionMode):
                 name in _IN_PLACE or (name.endswith("_") and not name.startswith("_"))):
             target.detach_()  # a buffer refilled with the latent: its earlier graph must not reach step N-K
         if self.top:  # step N-K's iteration: recorded, the latent a constant
+            args, kwargs = self.detached((args, kwargs))
             return func(*args, **kwargs)
         if self.ambiguous is None and any(isinstance(t, torch.nn.Parameter) and t.requires_grad for t in inputs):
             self.ambiguous = f"torch.{getattr(func, '__name__', func)}"

@@ -52,7 +52,8 @@ from typing import Any, Callable, ContextManager, Iterator, TypeVar
 import torch
 import torch.utils.checkpoint
 
-from gradpatch.sampling import _step_checkpoint
+from gradpatch.checkpointing._compat import sequence_nr
+from gradpatch.sampling import _regions, _step_checkpoint
 from gradpatch.sampling.options import (OPTIONS, SamplingOptions, check_flag, check_keywords,  # noqa: F401
                                      note_cached_call, sampling_options, swallowed_keywords)
 
@@ -73,11 +74,13 @@ class SamplingRun:
     scopes: list[Callable[[], ContextManager[Any]]] = field(default_factory=list, repr=False)
 
     window: Any = None  # grad_steps: the _window.Window between steps N-K-1 and N-K, while open
+    regions: Any = field(default_factory=lambda: _regions.Regions(), repr=False)  # grad_steps: enable_grad blocks
 
-    def open_window(self, tainted: Any, caller: Any = None) -> None:
+    def open_window(self, tainted: Any, caller: Any = None, since: int | None = None) -> None:
         from gradpatch.sampling._window import Window
 
-        self.window = Window(tainted, caller)
+        self.regions.on_close = None
+        self.window = Window(tainted, caller, since)
         self.window.__enter__()
 
     def close_window(self, starting: str | None = None) -> None:
@@ -95,6 +98,8 @@ class SamplingRun:
         token = _current.set(self)
         try:
             with contextlib.ExitStack() as stack:
+                if self.options.grad_steps is not None:
+                    stack.enter_context(_regions.tracking(self.regions))
                 for scope in self.scopes:
                     stack.enter_context(scope())
                 stack.callback(self.close_window)
@@ -244,16 +249,30 @@ def run_step(step: int, total: int, fn: Callable[..., T], *args: Any, **kwargs: 
         # Not recorded: this step's evaluations and the state updates after them. Grad resumes when
         # the last evaluation of step N-K-1 returns; until step N-K starts, what is computed from the
         # cut evaluations stays unrecorded (gradpatch.sampling._window), so the latent entering step N-K
-        # has no graph (DRaFT-K) while the conditioning prepared for it has.
+        # has no graph (DRaFT-K) while the conditioning prepared for it has. An evaluation inside the
+        # code's own enable_grad() (guidance through the step) is recorded (gradpatch.sampling._regions).
         run.close_window()
-        torch._C._set_grad_enabled(False)
+        guided, since = bool(run.regions.open), sequence_nr()
+        if guided:
+            run.regions.restore_on_exit(False)
+        else:
+            torch._C._set_grad_enabled(False)
         run.cut = True
         out = fn(*args, **kwargs)
         if step == first - 1:
-            torch._C._set_grad_enabled(True)
             run.cut = False
-            run.open_window(out, sys._getframe(1))
+            caller = sys._getframe(1)
+            if guided:  # the window opens when the guidance's block exits, over what it computed since
+                run.regions.restore_on_exit(True)
+                run.regions.on_close = functools.partial(run.open_window, out, caller, since)
+            else:
+                torch._C._set_grad_enabled(True)
+                run.open_window(out, caller)
         return out
+    if run.regions.on_close is not None:  # step N-K inside the guidance's block that ran step N-K-1
+        run.regions.on_close()
+    if run.window is not None:
+        args, kwargs = run.window.detached((args, kwargs))
     run.close_window(f"gradpatch (grad_steps={options.grad_steps}, step {step} of {total})")
     if run.cut:  # a step at or after N-K whose predecessor did not end the cut (steps skipped)
         torch._C._set_grad_enabled(True)
