@@ -302,3 +302,23 @@ def test_grad_steps_with_guidance_through_the_step(inside, k):
     out = gradpatch.differentiable(model.sample, step="net", steps="steps")(x, mu, grad_steps=k)
     assert_grads_close(weighted_grads(out, params),
                        weighted_grads(model.by_hand(x, mu, detach_at=N - k if k < N else None), params), rtol=1e-9)
+
+
+# --- torch.compile(fullgraph=True) around a cache=False call (issue 28, item 24) -------------------------
+
+
+def test_fullgraph_compile_of_a_call_says_what_to_compile_instead():
+    """Before: dynamo's internal "ContextVar mutation not supported" from gradpatch's machinery."""
+    torch.manual_seed(0)
+    model = Looped("pre")
+    x, mu = (t.float() for t in _inputs())
+    sample = gradpatch.differentiable(model.sample, step="net", steps="steps")
+
+    def train_step(x, mu):
+        return sample(x, mu, grad_steps=2)
+
+    with pytest.raises(RuntimeError, match="compile the denoiser or the step module instead"):
+        torch.compile(train_step, fullgraph=True)(x, mu)
+    params = [x, mu, *model.parameters()]
+    out = torch.compile(train_step)(x, mu)  # without fullgraph: the call runs eagerly, as written
+    assert_grads_close(weighted_grads(out, params), weighted_grads(model.by_hand(x, mu, detach_at=N - 2), params))

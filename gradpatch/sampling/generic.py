@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from gradpatch.checkpointing._compat import is_compiling
 from gradpatch.errors import NotDifferentiableError
 from gradpatch.sampling import _gradoff
 from gradpatch.sampling._inplace import CopyOnWrite
@@ -231,6 +232,24 @@ def call(sampler: Sampler, original: Callable[..., Any], args: tuple, kwargs: di
     return _clean(out)
 
 
+_COMPILE = ("a gradpatch.differentiable call with cache=False cannot be traced by torch.compile (context variables, "
+            "a TorchFunctionMode, frame inspection): compile the denoiser or the step module instead (the call runs "
+            "them as they are), or compile without fullgraph=True (the call then runs eagerly, a graph break)")
+_DISABLED: list[Callable[..., Any]] = []  # call behind torch.compiler.disable, made once dynamo is imported
+
+
+def _eager(*args: Any) -> Any:
+    """:func:`call`, run eagerly under torch.compile: dynamo skips it (a graph break), and under
+    ``fullgraph=True`` its error says :data:`_COMPILE`."""
+    if not is_compiling():  # (also where dynamo fell back to running this frame: nothing inside is traced)
+        if not _DISABLED and "torch._dynamo" in sys.modules:
+            _DISABLED.append(torch.compiler.disable(call, reason=_COMPILE))
+        return (_DISABLED[0] if _DISABLED else call)(*args)
+    if _DISABLED:
+        return _DISABLED[0](*args)
+    raise RuntimeError(_COMPILE)  # dynamo runs this frame eagerly instead, or shows this under fullgraph=True
+
+
 def _generator(gen: Any, entered: Callable[[], Any], stack: contextlib.ExitStack) -> Iterator[Any]:
     with stack:
         how, value = "send", None
@@ -259,6 +278,8 @@ def make(fn: Callable[..., Any], step: Any = None, steps: Any = None, *, cache: 
     where = where or getattr(fn, "__qualname__", repr(fn))
     sampler = Sampler(fn, step, steps, where)
     default = cache
+    if not _DISABLED and "torch._dynamo" in sys.modules:
+        _DISABLED.append(torch.compiler.disable(call, reason=_COMPILE))
 
     @functools.wraps(fn)
     def differentiable(*args: Any, cache: bool = _UNSET, grad_steps: Any = None, checkpoint_steps: Any = False,
@@ -273,7 +294,7 @@ def make(fn: Callable[..., Any], step: Any = None, steps: Any = None, *, cache: 
         this = owner if owner is not None else (args[0] if args and ("self" in (
             sampler.signature.parameters if sampler.signature else ()) or _method_of(differentiable, args[0]))
             else None)
-        return call(sampler, fn, args, kwargs, this, grad_steps, checkpoint_steps)
+        return _eager(sampler, fn, args, kwargs, this, grad_steps, checkpoint_steps)
 
     if sampler.signature is not None:
         differentiable.__signature__ = _with_keywords(sampler.signature).replace(  # type: ignore[attr-defined]
