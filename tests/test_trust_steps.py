@@ -322,3 +322,32 @@ def test_fullgraph_compile_of_a_call_says_what_to_compile_instead():
     params = [x, mu, *model.parameters()]
     out = torch.compile(train_step)(x, mu)  # without fullgraph: the call runs eagerly, as written
     assert_grads_close(weighted_grads(out, params), weighted_grads(model.by_hand(x, mu, detach_at=N - 2), params))
+
+
+class PostNetOutside(Looped):
+    """``v = proj(step(x))`` and the next step called on the latent as it is: no operation on the latent
+    between the top of the loop and step N-K (nothing to see the loop by but the call itself)."""
+
+    @torch.no_grad()
+    def sample(self, x, mu, steps=N):
+        for i in range(steps):
+            v = self.pre(self.net.forward(x, mu))
+            x = x + v / steps
+        return x
+
+    def by_hand(self, x, mu, steps=N, detach_at=None):
+        for i in range(steps):
+            x = x.detach() if i == detach_at else x
+            x = x + self.pre(self.net(x, mu)) / steps
+        return x
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_grad_steps_with_a_post_net_and_no_operation_before_the_step(k):
+    torch.manual_seed(0)
+    model = PostNetOutside("post").double()
+    x, mu = _inputs()
+    params = [x, mu, *model.parameters()]
+    out = gradpatch.differentiable(model.sample, step="net", steps="steps")(x, mu, grad_steps=k)
+    assert_grads_close(weighted_grads(out, params), weighted_grads(model.by_hand(x, mu, detach_at=N - k), params),
+                       rtol=1e-9)

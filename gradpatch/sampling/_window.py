@@ -69,7 +69,7 @@ class Window(TorchFunctionMode):
 
     def check(self, where: str) -> None:
         """Called when step N-K starts: raise if a cut could have belonged to step N-K."""
-        if self.ambiguous is not None and not self.top:
+        if self.ambiguous is not None and not self.top and not self._at_top():  # (step N-K's call, from a loop?)
             raise RuntimeError(
                 f"{where}: grad_steps: between step N-K-1 and step N-K, {self.ambiguous} applied a trainable "
                 "parameter to the latent, and the sampler's code did not go back to the top of its loop "

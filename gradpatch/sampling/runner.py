@@ -16,13 +16,16 @@ options bound that (used with ``cache=False``):
 
 * ``grad_steps=K``: a graph only through the last K steps (truncated backpropagation, as in DRaFT-K
   and AlignProp): grad is off from the first evaluation of step 0 until the last evaluation of step
-  N-K-1 returns, so those evaluations and the state updates between them are not recorded, and from
-  then until step N-K starts whatever is computed from those evaluations is not recorded either
-  (:mod:`gradpatch.sampling._window`): the latent entering step N-K has no graph (the initial noise gets
-  no gradient), the conditioning prepared for it has. Gradients equal those
-  of a run that detaches the state before step N-K; what the sampler computes before its first step
-  (conditioning) and inputs used in the last K steps or after the loop (F5 pastes ``cond`` into the
-  output) still get theirs. ``K >= N`` is the plain run.
+  N-K-1 returns, so those evaluations and the state updates between them are not recorded; from then
+  until the sampler's code is back at the top of its loop, whatever is computed from those evaluations
+  is not recorded either, and from there until step N-K starts everything is, the latent a constant
+  (:mod:`gradpatch.sampling._window`). Gradients equal those of the same loop with ``x = x.detach()``
+  at the top of the loop body before step N-K: the initial noise gets none, a pre-net applied to the
+  latent before step N-K (``x = pre(x); v = step(x)``) and the conditioning prepared for it get theirs;
+  what the sampler computes before its first step (conditioning) and inputs used in the last K steps or
+  after the loop (F5 pastes ``cond`` into the output) too. Guidance that differentiates through the step
+  inside its own ``torch.enable_grad()`` keeps working (:mod:`gradpatch.sampling._regions`). ``K >= N``
+  is the plain run.
 * ``checkpoint_steps=True``: each denoiser evaluation is recomputed during backward instead of stored
   (through the fixed checkpoint's node, which replays the RNG, so dropout agrees), so saved memory
   grows by about one latent per step instead of one set of activations, at the cost of a second
@@ -88,9 +91,11 @@ class SamplingRun:
         if self.window is not None:
             window, self.window = self.window, None
             window.__exit__(None, None, None)
-            window.close()
-            if starting is not None:
-                window.check(starting)
+            try:
+                if starting is not None:
+                    window.check(starting)
+            finally:
+                window.close()
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
@@ -246,11 +251,7 @@ def run_step(step: int, total: int, fn: Callable[..., T], *args: Any, **kwargs: 
     options = run.options
     first = total - options.grad_steps if options.grad_steps is not None else 0
     if step < first:
-        # Not recorded: this step's evaluations and the state updates after them. Grad resumes when
-        # the last evaluation of step N-K-1 returns; until step N-K starts, what is computed from the
-        # cut evaluations stays unrecorded (gradpatch.sampling._window), so the latent entering step N-K
-        # has no graph (DRaFT-K) while the conditioning prepared for it has. An evaluation inside the
-        # code's own enable_grad() (guidance through the step) is recorded (gradpatch.sampling._regions).
+        # Not recorded (module docstring; gradpatch.sampling._window, after step N-K-1; _regions, guidance).
         run.close_window()
         guided, since = bool(run.regions.open), sequence_nr()
         if guided:
