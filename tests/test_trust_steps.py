@@ -62,8 +62,9 @@ class NoisySampler(nn.Module):
         return x
 
 
-@pytest.mark.parametrize("escapes", [True, False], ids=["hook-path", "fast-path"])
-def test_an_evaluation_leaving_the_fast_path_runs_once_and_draws_its_generator_once(escapes):
+@pytest.mark.parametrize("escapes, checkpoint_steps", [(True, True), (False, True), (False, "budget:1")],
+                         ids=["hook-path", "fast-path", "budget"])
+def test_an_evaluation_leaving_the_fast_path_runs_once_and_draws_its_generator_once(escapes, checkpoint_steps):
     """Before: the first evaluation ran twice (5 calls for 4 steps), the seeded sample 0.248 off the loop by
     hand; and every recompute drew the step's own generator again (a gradient 0.12 off)."""
     torch.manual_seed(0)
@@ -74,7 +75,7 @@ def test_an_evaluation_leaving_the_fast_path_runs_once_and_draws_its_generator_o
     cond = (lambda: mu * 2.0) if escapes else (lambda: mu)  # a closed-over tensor with history: the hook path
     model.net.cond, model.net.calls = cond(), 0
     model.net.generator.manual_seed(5)
-    out = gradpatch.differentiable(model.sample, step="net")(x, checkpoint_steps=True)
+    out = gradpatch.differentiable(model.sample, step="net")(x, checkpoint_steps=checkpoint_steps)
     calls = model.net.calls
     got = weighted_grads(out, params)
 

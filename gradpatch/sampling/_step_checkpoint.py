@@ -276,10 +276,10 @@ def measured(fn: Callable[..., T], *args: Any, **kwargs: Any) -> tuple[T, int]:
     its graph would have added: those of the storages it saved for backward that were freed when it
     returned (as :mod:`gradpatch.checkpointing._measure` counts a block's own bytes). Storages still
     alive (the inputs, parameters, the output) cost nothing more when kept, and each storage counts once."""
-    frame = _Frame(fn, args, kwargs)
+    frame = _Frame(_Generators.wrap(fn, args, kwargs), args, kwargs)
     frame.seen = {}
     with torch.autograd.graph.saved_tensors_hooks(frame.measuring_pack, frame.unpack), _inner_plain():
-        out = fn(*args, **kwargs)
+        out = frame.fn(*args, **kwargs)
     seen, frame.seen = frame.seen, None
     return out, sum(size for ref, size in seen.values() if ref.expired())
 
