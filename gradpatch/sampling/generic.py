@@ -239,15 +239,14 @@ _DISABLED: list[Callable[..., Any]] = []  # call behind torch.compiler.disable, 
 
 
 def _eager(*args: Any) -> Any:
-    """:func:`call`, run eagerly under torch.compile: dynamo skips it (a graph break), and under
-    ``fullgraph=True`` its error says :data:`_COMPILE`."""
-    if not is_compiling():  # (also where dynamo fell back to running this frame: nothing inside is traced)
-        if not _DISABLED and "torch._dynamo" in sys.modules:
-            _DISABLED.append(torch.compiler.disable(call, reason=_COMPILE))
-        return (_DISABLED[0] if _DISABLED else call)(*args)
+    """:func:`call`, never traced: dynamo skips it (under ``fullgraph=True`` its error says :data:`_COMPILE`)."""
+    if not _DISABLED and "torch._dynamo" in sys.modules and not is_compiling():
+        _DISABLED.append(torch.compiler.disable(call, reason=_COMPILE))
     if _DISABLED:
         return _DISABLED[0](*args)
-    raise RuntimeError(_COMPILE)  # dynamo runs this frame eagerly instead, or shows this under fullgraph=True
+    if is_compiling():  # dynamo runs the frames up to here eagerly instead, or shows this under fullgraph=True
+        raise RuntimeError(_COMPILE)
+    return call(*args)
 
 
 def _generator(gen: Any, entered: Callable[[], Any], stack: contextlib.ExitStack) -> Iterator[Any]:
@@ -278,8 +277,6 @@ def make(fn: Callable[..., Any], step: Any = None, steps: Any = None, *, cache: 
     where = where or getattr(fn, "__qualname__", repr(fn))
     sampler = Sampler(fn, step, steps, where)
     default = cache
-    if not _DISABLED and "torch._dynamo" in sys.modules:
-        _DISABLED.append(torch.compiler.disable(call, reason=_COMPILE))
 
     @functools.wraps(fn)
     def differentiable(*args: Any, cache: bool = _UNSET, grad_steps: Any = None, checkpoint_steps: Any = False,
