@@ -85,3 +85,30 @@ def test_progressive_generator_keeps_the_callers_grad_mode() -> None:
     assert modes == [True] * N and all(item.requires_grad for item in items)
     torch.manual_seed(0)
     assert_grads_close(_grads(items[-1], model, noise), _grads(reference(diffusion, model, noise, -1, False), model, noise))
+
+
+def _cond_fn(x: Any, t: Any, p_mean_var: Any, **kwargs: Any) -> Any:
+    """Guidance differentiating through the model (``cond_fn_with_grad=True``): a loss on ``pred_xstart``."""
+    with torch.enable_grad():
+        loss = (p_mean_var["pred_xstart"] - 0.2).square().sum()
+        return torch.autograd.grad(loss, x, retain_graph=True)[0]
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_grad_steps_with_guidance_through_the_model(k: int) -> None:
+    """``cond_fn_with_grad=True`` evaluates the model inside its own ``enable_grad()`` to differentiate a
+    loss through it: the cut steps record those evaluations for it (before: "element 0 of tensors does
+    not require grad"), and the gradients are the hand-written loop's, the latent detached at N-K."""
+    model, diffusion, noise = _setup()
+    with gradpatch.applied("guided_diffusion"):
+        torch.manual_seed(0)
+        out = diffusion.p_sample_loop(model, SHAPE, noise=noise, cond_fn=_cond_fn, cond_fn_with_grad=True,
+                                      model_kwargs={}, cache=False, grad_steps=k)
+        got = _grads(out, model, noise)
+    torch.manual_seed(0)
+    img = noise
+    for step, i in enumerate(reversed(range(N))):
+        img = img.detach() if step == N - k else img
+        img = diffusion.p_sample_with_grad(model, img, torch.tensor([i] * SHAPE[0]), cond_fn=_cond_fn,
+                                            model_kwargs={})["sample"]
+    assert_grads_close(got, _grads(img, model, noise))

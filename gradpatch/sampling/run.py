@@ -16,13 +16,16 @@ options bound that (used with ``cache=False``):
 
 * ``grad_steps=K``: a graph only through the last K steps (truncated backpropagation, as in DRaFT-K
   and AlignProp): grad is off from the first evaluation of step 0 until the last evaluation of step
-  N-K-1 returns, so those evaluations and the state updates between them are not recorded, and from
-  then until step N-K starts whatever is computed from those evaluations is not recorded either
-  (:mod:`gradpatch.sampling.steps.window`): the latent entering step N-K has no graph (the initial noise gets
-  no gradient), the conditioning prepared for it has. Gradients equal those
-  of a run that detaches the state before step N-K; what the sampler computes before its first step
-  (conditioning) and inputs used in the last K steps or after the loop (F5 pastes ``cond`` into the
-  output) still get theirs. ``K >= N`` is the plain run.
+  N-K-1 returns, so those evaluations and the state updates between them are not recorded; from then
+  until the sampler's code is back at the top of its loop, whatever is computed from those evaluations
+  is not recorded either, and from there until step N-K starts everything is, the latent a constant
+  (:mod:`gradpatch.sampling.steps.window`). Gradients equal those of the same loop with ``x = x.detach()``
+  at the top of the loop body before step N-K: the initial noise gets none, a pre-net applied to the
+  latent before step N-K (``x = pre(x); v = step(x)``) and the conditioning prepared for it get theirs;
+  what the sampler computes before its first step (conditioning) and inputs used in the last K steps or
+  after the loop (F5 pastes ``cond`` into the output) too. Guidance that differentiates through the step
+  inside its own ``torch.enable_grad()`` keeps working (:mod:`gradpatch.sampling.steps.regions`). ``K >= N``
+  is the plain run.
 * ``checkpoint_steps=True``: each denoiser evaluation is recomputed during backward instead of stored
   (through the fixed checkpoint's node, which replays the RNG, so dropout agrees), so saved memory
   grows by about one latent per step instead of one set of activations, at the cost of a second
@@ -42,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import sys
 import threading
 import types
 from contextvars import ContextVar
@@ -51,8 +55,10 @@ from typing import Any, Callable, ContextManager, Iterator, TypeVar
 import torch
 import torch.utils.checkpoint
 
+from gradpatch.checkpointing._compat import sequence_nr
 from gradpatch.sampling.options import SamplingOptions
 from gradpatch.sampling.steps import checkpoint as step_checkpoint
+from gradpatch.sampling.steps.regions import Regions, tracking
 
 T = TypeVar("T")
 
@@ -70,21 +76,29 @@ class SamplingRun:
     family_state: Any = field(default=None, repr=False)  # what the family keeps for the call
     budget: Any = field(default=None, repr=False)  # checkpoint_steps="budget:<size>": a StepBudget
     cut: bool = False  # grad_steps: grad is off from the first step until step N-K-1 ends
-    fast: bool = True  # checkpoint_steps: evaluations try the fixed checkpoint's node (_step_checkpoint)
+    fast: bool = True  # checkpoint_steps: evaluations try the fixed checkpoint's node (steps.checkpoint)
     scopes: list[Callable[[], ContextManager[Any]]] = field(default_factory=list, repr=False)
 
-    window: Any = None  # grad_steps: the _window.Window between steps N-K-1 and N-K, while open
+    window: Any = None  # grad_steps: the steps.window.Window between steps N-K-1 and N-K, while open
+    regions: Any = field(default_factory=Regions, repr=False)  # grad_steps: enable_grad blocks
 
-    def open_window(self, tainted: Any) -> None:
+    def open_window(self, tainted: Any, caller: Any = None, since: int | None = None) -> None:
         from gradpatch.sampling.steps.window import Window
 
-        self.window = Window(tainted)
+        self.regions.on_close = None
+        self.window = Window(tainted, caller, since)
         self.window.__enter__()
 
-    def close_window(self) -> None:
+    def close_window(self, starting: str | None = None) -> None:
+        """Exit the window; ``starting``: step N-K starts (the window may refuse what it saw)."""
         if self.window is not None:
             window, self.window = self.window, None
             window.__exit__(None, None, None)
+            try:
+                if starting is not None:
+                    window.check(starting)
+            finally:
+                window.close()
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
@@ -92,6 +106,8 @@ class SamplingRun:
         token = current.set(self)
         try:
             with contextlib.ExitStack() as stack:
+                if self.options.grad_steps is not None:
+                    stack.enter_context(tracking(self.regions))
                 for scope in self.scopes:
                     stack.enter_context(scope())
                 stack.callback(self.close_window)
@@ -273,20 +289,30 @@ def run_step(step: int, total: int, fn: Callable[..., T], *args: Any, **kwargs: 
     options = run.options
     first = total - options.grad_steps if options.grad_steps is not None else 0
     if step < first:
-        # Not recorded: this step's evaluations and the state updates after them. Grad resumes when
-        # the last evaluation of step N-K-1 returns; until step N-K starts, what is computed from the
-        # cut evaluations stays unrecorded (gradpatch.sampling.steps.window), so the latent entering step N-K
-        # has no graph (DRaFT-K) while the conditioning prepared for it has.
+        # Not recorded (module docstring; gradpatch.sampling.steps.window, after step N-K-1; steps.regions, guidance).
         run.close_window()
-        torch._C._set_grad_enabled(False)
+        guided, since = bool(run.regions.open), sequence_nr()
+        if guided:
+            run.regions.restore_on_exit(False)
+        else:
+            torch._C._set_grad_enabled(False)
         run.cut = True
         out = fn(*args, **kwargs)
         if step == first - 1:
-            torch._C._set_grad_enabled(True)
             run.cut = False
-            run.open_window(out)
+            caller = sys._getframe(1)
+            if guided:  # the window opens when the guidance's block exits, over what it computed since
+                run.regions.restore_on_exit(True)
+                run.regions.on_close = functools.partial(run.open_window, out, caller, since)
+            else:
+                torch._C._set_grad_enabled(True)
+                run.open_window(out, caller)
         return out
-    run.close_window()
+    if run.regions.on_close is not None:  # step N-K inside the guidance's block that ran step N-K-1
+        run.regions.on_close()
+    if run.window is not None:
+        args, kwargs = run.window.detached((args, kwargs))
+    run.close_window(f"gradpatch (grad_steps={options.grad_steps}, step {step} of {total})")
     if run.cut:  # a step at or after N-K whose predecessor did not end the cut (steps skipped)
         torch._C._set_grad_enabled(True)
         run.cut = False

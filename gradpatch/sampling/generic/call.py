@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from gradpatch.checkpointing._compat import is_compiling
 from gradpatch.errors import NotDifferentiableError
 from gradpatch.sampling.contract import sampler_entry
 from gradpatch.sampling.generic import gradoff
@@ -224,10 +225,31 @@ def call(sampler: Sampler, original: Callable[..., Any], args: tuple, kwargs: di
                            "sampler step calls once, or use checkpoint_steps")
     if options.checkpoint_steps and state.evaluations == 0 and not unrouted:
         raise RuntimeError(f"gradpatch.differentiable({where}): checkpoint_steps had no effect: step was never called")
+    if ode and options.grad_steps is not None and state.evaluations == 0:
+        raise RuntimeError(f"gradpatch.differentiable({where}): grad_steps had no effect: the sampler never called "
+                           f"the solver through its module's global {sampler.step!r} (it calls torchdiffeq.odeint by "
+                           "attribute, or another solver), so no step could be cut. Pass as step what it calls")
     if wanted and not any(t.requires_grad for t in tensors(out)):
         raise NotDifferentiableError(f"gradpatch.differentiable({where}) returned {describe(out)}; gradients "
                                      "cannot flow through it. Return the tensor itself (convert it afterwards)")
     return clean(out)
+
+
+_COMPILE = ("a gradpatch.differentiable call with cache=False cannot be traced by torch.compile (context variables, "
+            "a TorchFunctionMode, frame inspection): compile the denoiser or the step module instead (the call runs "
+            "them as they are), or compile without fullgraph=True (the call then runs eagerly, a graph break)")
+_DISABLED: list[Callable[..., Any]] = []  # call behind torch.compiler.disable, made once dynamo is imported
+
+
+def _eager(*args: Any) -> Any:
+    """:func:`call`, never traced: dynamo skips it (under ``fullgraph=True`` its error says :data:`_COMPILE`)."""
+    if not _DISABLED and "torch._dynamo" in sys.modules and not is_compiling():
+        _DISABLED.append(torch.compiler.disable(call, reason=_COMPILE))
+    if _DISABLED:
+        return _DISABLED[0](*args)
+    if is_compiling():  # dynamo runs the frames up to here eagerly instead, or shows this under fullgraph=True
+        raise RuntimeError(_COMPILE)
+    return call(*args)
 
 
 def _generator(gen: Any, entered: Callable[[], Any], stack: contextlib.ExitStack) -> Iterator[Any]:
@@ -282,7 +304,7 @@ class Differentiable:
                 if outer.family == FAMILY:
                     return fn(*args, **kwargs)  # inside another call: its constructs are inert already
                 state.options = SamplingOptions()  # the outer sampler knows its steps: only lift the constructs
-            return call(sampler, fn, args, kwargs, this_of(args), state)
+            return _eager(sampler, fn, args, kwargs, this_of(args), state)
 
         self._entry = sampler_entry(fn, run, family=FAMILY, describe=lambda args: f"gradpatch.differentiable({where})",
                                     default_cache=cache, owner=lambda args, kwargs: this_of(args) if args else owner,

@@ -16,8 +16,11 @@ hooks must see the recompute inside the graph; compiling), the evaluation runs w
 saved-tensor hooks (:class:`_Frame`): the forward's pack hook returns the saved tensor's position
 (``next`` of a counter: no Python frame), the first unpack in backward recomputes the evaluation once,
 keeping the tensors it saves, in order, and each unpack takes its own; a recompute that saves another
-number of tensors raises. Once an evaluation of a ``cache=False`` call needed that path, the call's later
-evaluations take it at once (:attr:`gradpatch.sampling.run.SamplingRun.fast`).
+number of tensors raises. The evaluation the node could not take has run already, with its graph: it is
+kept as it is (a plain evaluation; running it again would draw an explicit ``torch.Generator`` twice and
+repeat its side effects), and the RNG that the fast path rewound is set back to where that run left it.
+Once an evaluation of a ``cache=False`` call needed the hook path, the call's later evaluations take it
+at once (:attr:`gradpatch.sampling.run.SamplingRun.fast`).
 
 Both support what the evaluation does under grad, dropout included (the RNG is replayed),
 ``torch.autograd.grad`` and ``backward``, ``retain_graph`` (a second backward recomputes again) and
@@ -152,14 +155,85 @@ def recomputed(fn: Callable[..., T], args: tuple, kwargs: dict, fast: bool) -> t
     that node (False once one could not take it)."""
     if not FLAT:
         return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, **kwargs), fast  # type: ignore[return-value]
+    fn = _Generators.wrap(fn, args, kwargs)
     if fast:
-        structure: list[Any] = [None]
+        structure: list[Any] = [None, None, True]  # how to rebuild the output; the forward's; keep it
         out = fast_path(functools.partial(_flat_call, fn, structure), args, kwargs or None, verify=_VERIFY)
+        ran, structure[1], structure[2] = structure[1], None, False  # the recompute in backward keeps nothing
         if out is not ESCAPED:
             return (out if structure[0] is None else tree_unflatten(list(out), structure[0])), True
+        if ran is not None:  # it ran, and the node could not take it: its result, graph and all, is the plain
+            out, rng = ran   # run's (a rerun would draw an explicit torch.Generator twice, count twice)
+            _restore_rng(rng)  # the fast path rewound the RNG for a rerun that does not happen
+            return (out if structure[0] is None else tree_unflatten(list(out), structure[0])), False
     frame = _Frame(fn, args, kwargs)
     with torch.autograd.graph.saved_tensors_hooks(frame.pack, frame.unpack), _inner_plain():
         return fn(*args, **kwargs), False
+
+
+class _Generators:
+    """``fn`` whose recompute draws from the ``torch.Generator`` objects it reaches (arguments, closure,
+    the modules of a bound method) as the forward did: their states are taken before the forward, set
+    for each recompute and put back after it (the caller's generators go on from where the forward
+    left them). torch's checkpoint replays only the global RNG."""
+
+    __slots__ = ("fn", "generators", "states", "ran")
+
+    def __init__(self, fn: Callable[..., Any], generators: list[torch.Generator]) -> None:
+        self.fn, self.generators, self.ran = fn, generators, False
+        self.states = [g.get_state() for g in generators]
+
+    @classmethod
+    def wrap(cls, fn: Callable[..., T], args: tuple, kwargs: dict) -> Callable[..., T]:
+        generators = _reachable_generators((args, kwargs, fn))
+        return cls(fn, generators) if generators else fn  # type: ignore[return-value]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.ran:  # the forward
+            self.ran = True
+            return self.fn(*args, **kwargs)
+        now = [g.get_state() for g in self.generators]
+        for g, state in zip(self.generators, self.states):
+            g.set_state(state)
+        try:
+            return self.fn(*args, **kwargs)
+        finally:
+            for g, state in zip(self.generators, now):
+                g.set_state(state)
+
+
+def _reachable_generators(root: Any) -> list[torch.Generator]:
+    found: dict[int, torch.Generator] = {}
+    seen: set[int] = set()
+    todo: list[tuple[Any, int]] = [(root, 0)]
+    while todo:
+        obj, depth = todo.pop()
+        if isinstance(obj, torch.Generator):
+            found[id(obj)] = obj
+        if id(obj) in seen or depth > 6 or isinstance(obj, (torch.Tensor, torch.Generator, str, bytes, int, float,
+                                                            type)):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.nn.Module):
+            todo += [(v, depth + 1) for m in obj.modules() for v in vars(m).values()
+                     if isinstance(v, (torch.Generator, functools.partial))]
+        elif isinstance(obj, (tuple, list)):
+            todo += [(v, depth + 1) for v in obj]
+        elif isinstance(obj, dict):
+            todo += [(v, depth + 1) for v in obj.values()]
+        elif isinstance(obj, functools.partial):
+            todo += [(obj.func, depth + 1), (obj.args, depth + 1), (obj.keywords, depth + 1)]
+        elif hasattr(obj, "__self__") and hasattr(obj, "__func__"):  # a bound method
+            todo += [(obj.__self__, depth + 1), (obj.__func__, depth + 1)]
+        elif callable(obj):
+            for cell in getattr(obj, "__closure__", None) or ():
+                try:
+                    todo.append((cell.cell_contents, depth + 1))
+                except ValueError:  # an empty cell
+                    pass
+            if isinstance(obj, _Generators):
+                todo.append((obj.fn, depth + 1))
+    return list(found.values())
 
 
 def _flat_call(fn: Callable[..., Any], structure: list[Any], *args: Any, **kwargs: Any) -> Any:
@@ -169,9 +243,24 @@ def _flat_call(fn: Callable[..., Any], structure: list[Any], *args: Any, **kwarg
         out = fn(*args, **kwargs)
     if isinstance(out, torch.Tensor):
         structure[0] = None
-        return out
-    leaves, structure[0] = tree_flatten(out)
-    return tuple(leaves)
+    else:
+        leaves, structure[0] = tree_flatten(out)
+        out = tuple(leaves)
+    if structure[2]:  # the forward: kept in case the fast path escapes after running it
+        structure[1] = (out, _rng_state(args, kwargs))
+    return out
+
+
+def _rng_state(args: tuple, kwargs: dict) -> tuple[torch.Tensor, list[tuple[int, torch.Tensor]]]:
+    """The RNG states the fast path rewinds when it escapes (those of the devices it rewinds)."""
+    devices = _cuda_devices(args, kwargs) or ([torch.cuda.current_device()] if torch.cuda.is_initialized() else [])
+    return torch.get_rng_state(), [(d, torch.cuda.get_rng_state(d)) for d in devices]
+
+
+def _restore_rng(state: tuple[torch.Tensor, list[tuple[int, torch.Tensor]]]) -> None:
+    torch.set_rng_state(state[0])
+    for device, cuda in state[1]:
+        torch.cuda.set_rng_state(cuda, device)
 
 
 def _inner_plain() -> Any:
@@ -187,10 +276,10 @@ def measured(fn: Callable[..., T], *args: Any, **kwargs: Any) -> tuple[T, int]:
     its graph would have added: those of the storages it saved for backward that were freed when it
     returned (as :mod:`gradpatch.checkpointing._measure` counts a block's own bytes). Storages still
     alive (the inputs, parameters, the output) cost nothing more when kept, and each storage counts once."""
-    frame = _Frame(fn, args, kwargs)
+    frame = _Frame(_Generators.wrap(fn, args, kwargs), args, kwargs)
     frame.seen = {}
     with torch.autograd.graph.saved_tensors_hooks(frame.measuring_pack, frame.unpack), _inner_plain():
-        out = fn(*args, **kwargs)
+        out = frame.fn(*args, **kwargs)
     seen, frame.seen = frame.seen, None
     return out, sum(size for ref, size in seen.values() if ref.expired())
 

@@ -66,6 +66,11 @@ def stepped_odeint(original: Callable[..., T]) -> Callable[..., T]:
         run = current.get()
         if run is None or (run.options.grad_steps is None and not run.options.checkpoint_steps):
             return original(func, y0, t, *args, **kwargs)
+        if getattr(original, "__name__", "") == "odeint_adjoint":
+            raise RuntimeError("grad_steps/checkpoint_steps cannot act on torchdiffeq's odeint_adjoint: its forward "
+                               "runs without grad and its backward solves the adjoint ODE, so no step's graph is "
+                               "kept or cut (its memory is already constant in the number of steps). Call it "
+                               "without these options, or integrate with torchdiffeq.odeint")
         return original(_Stepped(func, _total_steps(t, kwargs, run.options)), y0, t, *args, **kwargs)
 
     return odeint
