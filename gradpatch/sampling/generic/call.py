@@ -241,15 +241,20 @@ _COMPILE = ("a gradpatch.differentiable call with cache=False cannot be traced b
 _DISABLED: list[Callable[..., Any]] = []  # call behind torch.compiler.disable, made once dynamo is imported
 
 
-def _eager(*args: Any) -> Any:
-    """:func:`call`, never traced: dynamo skips it (under ``fullgraph=True`` its error says :data:`_COMPILE`)."""
+def _through(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    return fn(*args, **kwargs)
+
+
+def _eager(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)``, never traced: dynamo skips it (under ``fullgraph=True`` its error says
+    :data:`_COMPILE`)."""
     if not _DISABLED and "torch._dynamo" in sys.modules and not is_compiling():
-        _DISABLED.append(torch.compiler.disable(call, reason=_COMPILE))
+        _DISABLED.append(torch.compiler.disable(_through, reason=_COMPILE))
     if _DISABLED:
-        return _DISABLED[0](*args)
+        return _DISABLED[0](fn, args, kwargs)
     if is_compiling():  # dynamo runs the frames up to here eagerly instead, or shows this under fullgraph=True
         raise RuntimeError(_COMPILE)
-    return call(*args)
+    return fn(*args, **kwargs)
 
 
 def _generator(gen: Any, entered: Callable[[], Any], stack: contextlib.ExitStack) -> Iterator[Any]:
@@ -304,7 +309,7 @@ class Differentiable:
                 if outer.family == FAMILY:
                     return fn(*args, **kwargs)  # inside another call: its constructs are inert already
                 state.options = SamplingOptions()  # the outer sampler knows its steps: only lift the constructs
-            return _eager(sampler, fn, args, kwargs, this_of(args), state)
+            return call(sampler, fn, args, kwargs, this_of(args), state)
 
         self._entry = sampler_entry(fn, run, family=FAMILY, describe=lambda args: f"gradpatch.differentiable({where})",
                                     default_cache=cache, owner=lambda args, kwargs: this_of(args) if args else owner,
@@ -313,7 +318,7 @@ class Differentiable:
             self.__signature__ = self._entry.__signature__
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self._entry(*args, **kwargs)
+        return _eager(self._entry, *args, **kwargs)
 
     def __get__(self, obj: Any, objtype: Any = None) -> Any:
         return self if obj is None else types.MethodType(self, obj)
