@@ -18,7 +18,8 @@ LOWER_VENV ?= .venv-torch-lower
 LOWER_PY := $(LOWER_VENV)/bin/python
 LOWER_TESTS := tests/test_checkpoint_fix.py tests/test_checkpoint_properties.py tests/test_checkpoint_trust.py \
 	tests/test_engine.py tests/test_trust.py tests/test_differentiable.py tests/test_sampler_options.py \
-	tests/test_step_checkpoint.py tests/test_lift.py tests/test_lift_trust.py
+	tests/test_step_checkpoint.py tests/test_lift.py tests/test_lift_trust.py tests/test_definitions.py \
+	tests/test_skip_policy.py
 SKIP_TORCH_LOWER ?=
 
 # The newest torch release gets a venv of its own too, for the tests that import without the upstream
@@ -29,7 +30,7 @@ SKIP_TORCH_LOWER ?=
 NEWEST_VENV ?= .venv-torch-newest
 NEWEST_PY := $(NEWEST_VENV)/bin/python
 NEWEST_TESTS := $(LOWER_TESTS) tests/test_checkpoint_functorch.py tests/test_checkpoint_budget_compile.py \
-	tests/test_definitions.py tests/test_versions.py tests/test_diffusers_pipelines.py
+	tests/test_versions.py tests/test_diffusers_pipelines.py
 SKIP_TORCH_NEWEST ?=
 
 # JUNIT_DIR=<folder> (.ci/run): each pytest run of `make test` also writes <folder>/<venv>.xml.
@@ -53,7 +54,7 @@ demo: $(VENV)/.installed
 	$(PY) examples/finetune_audioldm.py
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -n 2 --durations=15 $(call junit,main)
+	GRADPATCH_TEST_ENV=main $(PY) -m pytest -n 2 --durations=15 $(call junit,main)
 ifeq ($(strip $(SKIP_TORCH_LOWER)),)
 	$(MAKE) test-torch-lower
 else
@@ -74,7 +75,7 @@ $(LOWER_VENV)/.installed: requirements/torch-lower.txt pyproject.toml
 	touch $@
 
 test-torch-lower: $(LOWER_VENV)/.installed
-	PYTHONPATH=. $(LOWER_PY) -m pytest -p no:cacheprovider $(call junit,torch-lower) $(LOWER_TESTS)
+	PYTHONPATH=. GRADPATCH_TEST_ENV=torch-lower $(LOWER_PY) -m pytest -p no:cacheprovider $(call junit,torch-lower) $(LOWER_TESTS)
 
 $(NEWEST_VENV)/.installed: requirements/torch-newest.txt pyproject.toml
 	$(PYTHON) -m venv $(NEWEST_VENV)
@@ -83,7 +84,7 @@ $(NEWEST_VENV)/.installed: requirements/torch-newest.txt pyproject.toml
 	touch $@
 
 test-torch-newest: $(NEWEST_VENV)/.installed
-	PYTHONPATH=. $(NEWEST_PY) -m pytest -p no:cacheprovider $(call junit,torch-newest) $(NEWEST_TESTS)
+	PYTHONPATH=. GRADPATCH_TEST_ENV=torch-newest $(NEWEST_PY) -m pytest -p no:cacheprovider $(call junit,torch-newest) $(NEWEST_TESTS)
 
 # The wheel in fresh virtual environments, installed as the README's Install section says, and the
 # README's Python blocks run there (also part of `make test`).

@@ -3,13 +3,16 @@
 A test skipped because a module cannot be imported (``pytest.importorskip`` at module level, in a fixture
 or in a test) fails instead where the running environment declares that module:
 
-- the main environment (a virtual environment named ``.venv``, which ``make test`` builds from
-  ``requirements/test.txt``, ``upstream.txt`` and ``upstream-build.txt``; or any environment under
-  ``CI=true``) declares every package the tests import: there, every such skip fails;
+- the main environment (``.venv``, which ``make test`` builds from ``requirements/test.txt``,
+  ``upstream.txt`` and ``upstream-build.txt``; or any environment under ``CI=true``) declares every
+  package the tests import: there, every such skip fails;
 - the lowest- and newest-torch environments (``.venv-torch-lower``, ``.venv-torch-newest``) declare what
   their ``requirements/torch-*.txt`` lists: a test of a package listed there fails, one of an upstream
   package the file leaves out skips with its reason;
 - elsewhere (an environment of one's own) the skip stays a skip.
+
+The environment is the one ``GRADPATCH_TEST_ENV`` names (``main``, ``torch-lower``, ``torch-newest``: the
+Makefile sets it), else the one the virtual environment's folder name says.
 
 Under ``CI=true`` in the main environment, the session fails too when any test skipped for a reason that
 does not name CUDA (CUDA-only tests may skip on a machine without a GPU), and those skips are listed at the
@@ -25,8 +28,9 @@ from pathlib import Path
 import pytest
 
 REQUIREMENTS = Path(__file__).resolve().parent.parent / "requirements"
-#: Virtual environments of the Makefile with a requirements file of their own (of declared packages).
-OWN_REQUIREMENTS = {".venv-torch-lower": "torch-lower.txt", ".venv-torch-newest": "torch-newest.txt"}
+#: The Makefile's virtual environments, by the name of their requirements file ("main": all of test.txt,
+#: upstream.txt, upstream-build.txt); the Makefile also says it in GRADPATCH_TEST_ENV.
+VENVS = {".venv": "main", ".venv-torch-lower": "torch-lower", ".venv-torch-newest": "torch-newest"}
 _COULD_NOT_IMPORT = re.compile(r"could not import '([\w.]+)'(?:: No module named '([\w.]+)')?")
 
 
@@ -47,14 +51,19 @@ def _declared(path: Path) -> set[str]:
     return names
 
 
+def _environment_name() -> str | None:
+    name = os.environ.get("GRADPATCH_TEST_ENV") or VENVS.get(Path(sys.prefix).name)
+    return name or ("main" if _ci() else None)
+
+
 def _environment() -> tuple[str, set[str] | None] | None:
     """(its name, the declared distributions, None meaning all) where missing modules fail; else None."""
-    name = Path(sys.prefix).name
-    if name in OWN_REQUIREMENTS:
-        return name, _declared(REQUIREMENTS / OWN_REQUIREMENTS[name])
-    if name == ".venv" or _ci():
+    name = _environment_name()
+    if name is None:
+        return None
+    if name == "main":
         return "the main test environment", None
-    return None
+    return f"the {name} test environment", _declared(REQUIREMENTS / f"{name}.txt")
 
 
 ENVIRONMENT = _environment()
@@ -130,7 +139,7 @@ def pytest_collectreport(report):
 
 def _strict(config) -> bool:
     """CI in the main environment, in the process that reports (not an xdist worker)."""
-    return _ci() and Path(sys.prefix).name not in OWN_REQUIREMENTS and not hasattr(config, "workerinput")
+    return _ci() and _environment_name() == "main" and not hasattr(config, "workerinput")
 
 
 def pytest_sessionfinish(session, exitstatus):
