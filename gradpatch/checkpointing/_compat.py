@@ -3,8 +3,9 @@
 Each name is bound once, at import, to the fastest form the installed torch has: the per-device
 autocast queries appeared in 2.4 (2.1 to 2.3 have ``is_autocast_cpu_enabled`` and friends, which
 2.4 deprecates), ``torch.compiler.is_compiling`` in 2.3, the engine entry point behind
-``torch.autograd.grad`` in 2.3. ``Tensor.__setitem__`` reaches a ``TorchFunctionMode`` from 2.2 on
-(:func:`setitem_to_modes`; the copy on write of ``gradpatch.differentiable`` sees writes through modes).
+``torch.autograd.grad`` in 2.3. On 2.1 an item assignment of a tensor does not reach a
+``TorchFunctionMode`` (:func:`setitem_to_modes`: the copy on write of ``gradpatch.differentiable`` sees
+writes through one).
 ``make test`` runs the tests that need no upstream package on the lowest release too.
 """
 from __future__ import annotations
@@ -87,7 +88,7 @@ _setitem_lock = threading.Lock()
 
 
 def _setitem_through_modes(self: torch.Tensor, index: Any, value: Any) -> None:
-    if torch._C._is_torch_function_mode_enabled():
+    if torch._C._is_torch_function_enabled() and torch._C._is_torch_function_mode_enabled():
         handle_torch_function(_setitem, (self, value), self, index, value)
     else:
         _setitem(self, index, value)
@@ -95,9 +96,9 @@ def _setitem_through_modes(self: torch.Tensor, index: Any, value: Any) -> None:
 
 def setitem_to_modes(on: bool) -> None:
     """Count a user (``on``) or drop one of ``Tensor.__setitem__`` dispatched to the active
-    ``TorchFunctionMode``, as torch 2.2 and later do themselves (2.1 calls C directly). On those, nothing;
-    on 2.1, while any user holds it, ``torch.Tensor.__setitem__`` is a Python function handing the call to
-    the mode (one Python call per item assignment, any thread; none outside a mode)."""
+    ``TorchFunctionMode``. Where torch does it itself (checked once, at import), nothing; on torch 2.1
+    (item assignment of a tensor goes straight to C), while any user holds it, ``torch.Tensor.__setitem__``
+    is a Python function handing the call to the mode (one Python call per item assignment, any thread)."""
     global _setitem_users
     if _SETITEM_REACHES_MODES:
         return
