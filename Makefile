@@ -8,12 +8,18 @@ export HF_HUB_OFFLINE := 1
 # deepspeed (requirements/test.txt) is an sdist: build it without compiled ops (the tests use its CPU accelerator).
 export DS_BUILD_OPS := 0
 
-# The lowest torch pyproject.toml accepts gets a venv of its own, for the checkpoint tests (the fix
-# reads autocast, compile and autograd state through torch APIs that changed since). Skipping it takes
-# a reason: `make test SKIP_TORCH_LOWER="why"`, which is printed.
+# The lowest torch pyproject.toml accepts gets a venv of its own, for the tests that need no upstream
+# package: the checkpoint fix, the engine, sampling through gradpatch.differentiable (checkpoint_steps,
+# grad_steps, copy on write) and the sampler options; gradpatch reads autocast, compile, autograd and
+# dispatch state through torch APIs that changed since (checkpointing/_compat.py). Their tests of upstream
+# packages skip there with the reason (tests/skip_policy.py). Skipping it takes a reason:
+# `make test SKIP_TORCH_LOWER="why"`, which is printed.
 LOWER_VENV ?= .venv-torch-lower
 LOWER_PY := $(LOWER_VENV)/bin/python
-LOWER_TESTS := tests/test_checkpoint_fix.py tests/test_checkpoint_properties.py tests/test_checkpoint_trust.py
+LOWER_TESTS := tests/test_checkpoint_fix.py tests/test_checkpoint_properties.py tests/test_checkpoint_trust.py \
+	tests/test_engine.py tests/test_trust.py tests/test_differentiable.py tests/test_sampler_options.py \
+	tests/test_step_checkpoint.py tests/test_lift.py tests/test_lift_trust.py tests/test_definitions.py \
+	tests/test_skip_policy.py
 SKIP_TORCH_LOWER ?=
 
 # The newest torch release gets a venv of its own too, for the tests that import without the upstream
@@ -24,9 +30,12 @@ SKIP_TORCH_LOWER ?=
 NEWEST_VENV ?= .venv-torch-newest
 NEWEST_PY := $(NEWEST_VENV)/bin/python
 NEWEST_TESTS := $(LOWER_TESTS) tests/test_checkpoint_functorch.py tests/test_checkpoint_budget_compile.py \
-	tests/test_lift.py tests/test_engine.py tests/test_definitions.py tests/test_versions.py \
-	tests/test_diffusers_pipelines.py
+	tests/test_versions.py tests/test_diffusers_pipelines.py
 SKIP_TORCH_NEWEST ?=
+
+# JUNIT_DIR=<folder> (.ci/run): each pytest run of `make test` also writes <folder>/<venv>.xml.
+JUNIT_DIR ?=
+junit = $(if $(JUNIT_DIR),--junitxml=$(JUNIT_DIR)/$(1).xml)
 
 .PHONY: demo test lint test-torch-lower test-torch-newest newcomer bench clean
 
@@ -50,11 +59,11 @@ lint: $(VENV)/.installed
 	$(PY) -m mypy
 
 test: $(VENV)/.installed lint
-	$(PY) -m pytest -n 2 --durations=15
+	GRADPATCH_TEST_ENV=main $(PY) -m pytest -n 2 --durations=15 $(call junit,main)
 ifeq ($(strip $(SKIP_TORCH_LOWER)),)
 	$(MAKE) test-torch-lower
 else
-	@echo "NOT RUN: checkpoint tests on the lowest accepted torch (SKIP_TORCH_LOWER: $(SKIP_TORCH_LOWER))"
+	@echo "NOT RUN: the tests that need no upstream package on the lowest accepted torch (SKIP_TORCH_LOWER: $(SKIP_TORCH_LOWER))"
 endif
 ifeq ($(strip $(SKIP_TORCH_NEWEST)),)
 	$(MAKE) test-torch-newest
@@ -62,21 +71,25 @@ else
 	@echo "NOT RUN: engine and checkpoint tests on the newest torch (SKIP_TORCH_NEWEST: $(SKIP_TORCH_NEWEST))"
 endif
 
-$(LOWER_VENV)/.installed: requirements/torch-lower.txt
+# gradpatch itself is installed in the lowest/newest-torch venvs as in .venv (editable, with its start-up
+# file: tests/test_trust.py starts interpreters with GRADPATCH set); hatchling builds it (torch-*.txt).
+$(LOWER_VENV)/.installed: requirements/torch-lower.txt pyproject.toml
 	$(PYTHON) -m venv $(LOWER_VENV)
 	$(LOWER_PY) -m pip install --quiet --no-deps -r requirements/torch-lower.txt
+	$(LOWER_PY) -m pip install --quiet --no-deps --no-build-isolation -e .
 	touch $@
 
 test-torch-lower: $(LOWER_VENV)/.installed
-	PYTHONPATH=. $(LOWER_PY) -m pytest -p no:cacheprovider $(LOWER_TESTS)
+	PYTHONPATH=. GRADPATCH_TEST_ENV=torch-lower $(LOWER_PY) -m pytest -p no:cacheprovider $(call junit,torch-lower) $(LOWER_TESTS)
 
-$(NEWEST_VENV)/.installed: requirements/torch-newest.txt
+$(NEWEST_VENV)/.installed: requirements/torch-newest.txt pyproject.toml
 	$(PYTHON) -m venv $(NEWEST_VENV)
 	PIP_CONFIG_FILE=/dev/null $(NEWEST_PY) -m pip install --quiet --no-deps -r requirements/torch-newest.txt
+	PIP_CONFIG_FILE=/dev/null $(NEWEST_PY) -m pip install --quiet --no-deps --no-build-isolation -e .
 	touch $@
 
 test-torch-newest: $(NEWEST_VENV)/.installed
-	PYTHONPATH=. $(NEWEST_PY) -m pytest -p no:cacheprovider $(NEWEST_TESTS)
+	PYTHONPATH=. GRADPATCH_TEST_ENV=torch-newest $(NEWEST_PY) -m pytest -p no:cacheprovider $(call junit,torch-newest) $(NEWEST_TESTS)
 
 # The wheel in fresh virtual environments, installed as the README's Install section says, and the
 # README's Python blocks run there (also part of `make test`).

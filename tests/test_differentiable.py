@@ -174,8 +174,7 @@ def test_grad_steps_is_a_graph_through_the_last_k_steps(k, checkpoint_steps):
 @pytest.mark.parametrize("options", [{}, {"grad_steps": 1}, {"grad_steps": 3, "checkpoint_steps": True},
                                      {"checkpoint_steps": True}])
 def test_a_module_level_odeint_numbers_the_steps(options):
-    if fs.odeint is None:
-        pytest.skip("torchdiffeq is not installed")
+    pytest.importorskip("torchdiffeq")
     model = make(fs.OdeCFM).train()
     cond = inputs()[1]
     out = gradpatch.differentiable(model.sample, step="odeint")(cond, **options)

@@ -8,8 +8,6 @@ import pytest
 
 torch = pytest.importorskip("torch")
 np = pytest.importorskip("numpy")
-pytest.importorskip("f5_tts")
-pytest.importorskip("diffusers")
 
 import gradpatch  # noqa: E402
 from gradpatch.sampling.options import SamplingOptions  # noqa: E402
@@ -18,6 +16,7 @@ from gradpatch.testing import f5_cfm, f5_inputs, stable_diffusion_pipeline  # no
 
 @pytest.fixture(scope="module")
 def sd(single_thread):
+    pytest.importorskip("diffusers")
     return stable_diffusion_pipeline()
 
 
@@ -71,6 +70,7 @@ def test_diffusers_unrelated_keywords_pass_quietly(sd):
 
 
 def test_f5_sample_options(single_thread):
+    pytest.importorskip("f5_tts")
     model, (cond, text) = f5_cfm(), f5_inputs()
     with gradpatch.applied("f5_tts"):
         with pytest.raises(TypeError, match="cache must be True or False"):

@@ -202,6 +202,7 @@ def _ldm_grads(model, cond, **options):
 def test_block_checkpoints_inside_a_step_are_not_recomputed_twice(single_thread, monkeypatch):
     """AudioLDM's transformer blocks are checkpointed (upstream default ``checkpoint=True``): around a
     step checkpoint they ran forward, step recompute and block recompute; now forward and recompute."""
+    pytest.importorskip("audioldm")
     from audioldm.latent_diffusion.attention import BasicTransformerBlock
 
     from gradpatch.testing import audioldm_cond, audioldm_ldm
@@ -238,6 +239,7 @@ def _allocated_after_forward(model, cond, text, steps, option) -> tuple[int, obj
 
 @pytest.mark.parametrize("fraction", [0.25, 0.5, 0.75])
 def test_step_budget_keeps_what_fits_and_gradients_stay_exact(single_thread, monkeypatch, fraction):
+    pytest.importorskip("f5_tts")
     model, (cond, text) = f5_cfm().eval(), f5_inputs()
     params = [p for p in model.parameters() if p.requires_grad]
     budgets = []
@@ -276,6 +278,7 @@ def test_step_budget_keeps_what_fits_and_gradients_stay_exact(single_thread, mon
     (1, TypeError, "checkpoint_steps must be True or False"),
 ])
 def test_step_budget_option_is_validated(single_thread, value, error, message):
+    pytest.importorskip("f5_tts")
     model, (cond, text) = f5_cfm(), f5_inputs()
     with gradpatch.applied("f5_tts"):
         with pytest.raises(error, match=message):

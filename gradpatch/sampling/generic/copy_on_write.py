@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from gradpatch.checkpointing._compat import setitem_to_modes
 from gradpatch.errors import NotDifferentiableError
 from gradpatch.sampling import run as sampling_run
 
@@ -84,6 +85,16 @@ class CopyOnWrite(TorchFunctionMode):
         return saved
 
     pack = hold
+
+    def __enter__(self) -> CopyOnWrite:
+        setitem_to_modes(True)  # torch 2.1: item assignment reaches the mode through a shim
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            setitem_to_modes(False)
 
     @staticmethod
     def unpack(saved: Saved) -> torch.Tensor:

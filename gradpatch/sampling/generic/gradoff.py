@@ -53,7 +53,9 @@ def _generator() -> Iterator[None]:
     yield
 
 
-_DECORATORS = frozenset({torch.no_grad()(lambda: None).__code__, torch.no_grad()(_generator).__code__})
+# torch 2.15 renames each decorated function's code after its manager (co_name "inference_mode"): one per manager.
+_DECORATORS = frozenset(manager()(body).__code__ for manager in (torch.no_grad, torch.inference_mode)
+                        for body in (lambda: None, _generator))
 
 
 def _where(frame: FrameType) -> str:

@@ -47,6 +47,7 @@ import torch.utils.checkpoint
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from gradpatch.checkpointing._compat import autocast_dtype, autocast_enabled
 from gradpatch.checkpointing.checkpoint import ESCAPED, fast_path
 
 T = TypeVar("T")
@@ -75,8 +76,8 @@ class _Frame:
         self.rng = torch.get_rng_state()
         self.devices = _cuda_devices(args, kwargs)
         self.cuda_rng = [torch.cuda.get_rng_state(d) for d in self.devices]
-        self.autocast = [(device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
-                         for device in ("cpu", "cuda") if torch.is_autocast_enabled(device)]
+        self.autocast = [(device, True, autocast_dtype(device))
+                         for device in ("cpu", "cuda") if autocast_enabled(device)]
         self.values: list[torch.Tensor | None] | None = None
         self.left = 0
         self.seen: dict[Any, tuple[Any, int]] | None = None  # measured: storage -> (weak ref, bytes)
