@@ -1,0 +1,59 @@
+"""What the checkpoint fix reads from torch, on every release ``pyproject.toml`` accepts (2.1 on).
+
+Each name is bound once, at import, to the fastest form the installed torch has: the per-device
+autocast queries appeared in 2.4 (2.1 to 2.3 have ``is_autocast_cpu_enabled`` and friends, which
+2.4 deprecates), ``torch.compiler.is_compiling`` in 2.3, the engine entry point behind
+``torch.autograd.grad`` in 2.3. ``.ci/run`` runs the checkpoint tests on the lowest release too.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+__all__ = ["autocast_enabled", "autocast_dtype", "is_compiling", "engine_grad", "sequence_nr",
+           "functorch_active"]
+
+try:
+    torch.is_autocast_enabled("cpu")
+    torch.get_autocast_dtype("cpu")
+except (TypeError, AttributeError):  # torch < 2.4: one function per device
+    def autocast_enabled(device: str) -> bool:
+        """``torch.is_autocast_enabled(device)`` for ``"cpu"`` and ``"cuda"``."""
+        return torch.is_autocast_cpu_enabled() if device == "cpu" else torch.is_autocast_enabled()
+
+    def autocast_dtype(device: str) -> torch.dtype:
+        """``torch.get_autocast_dtype(device)`` for ``"cpu"`` and ``"cuda"``."""
+        return torch.get_autocast_cpu_dtype() if device == "cpu" else torch.get_autocast_gpu_dtype()
+else:
+    autocast_enabled = torch.is_autocast_enabled
+    autocast_dtype = torch.get_autocast_dtype
+
+#: Whether torch.compile is tracing the caller (dynamo answers True while tracing).
+is_compiling: Callable[[], bool] = getattr(torch.compiler, "is_compiling", None) or \
+    torch._utils.is_compiling  # torch < 2.3: the same flag under its older name
+
+_peek_interpreter = getattr(getattr(torch._C, "_functorch", None), "peek_interpreter_stack", None)
+
+
+def functorch_active() -> bool:
+    """Whether a ``torch.func`` transform (``grad``, ``vjp``, ``vmap``, ``jacrev``, ``jvp``,
+    ``hessian``, ...) is running the caller: functorch keeps a stack of interpreters, empty outside
+    transforms. About 0.1 us. ``False`` while torch.compile traces (dynamo handles transforms)."""
+    return _peek_interpreter is not None and not is_compiling() and _peek_interpreter() is not None
+
+
+#: The thread's next autograd sequence number: nodes made from now on get this number or higher.
+sequence_nr: Callable[[], int] = torch._C._autograd._get_sequence_nr
+
+try:  # private, but what torch.autograd.grad calls once its arguments are checked; self-tested
+    from torch.autograd.graph import _engine_run_backward
+
+    _w = torch.ones(1, requires_grad=True)
+    if _engine_run_backward((_w * 3.0,), (torch.ones(1),), False, False, (_w,), True,
+                            False)[0].item() != 3:
+        raise ImportError("unexpected result")
+    del _w
+    engine_grad: Callable[..., tuple] | None = _engine_run_backward
+except Exception:  # torch < 2.3, or another signature: the public function is used
+    engine_grad = None
