@@ -1,7 +1,8 @@
 """Choosing, per call, between the fast path (:mod:`gradpatch.checkpointing.recompute`) and the
 graph path (:mod:`gradpatch.checkpointing.graph_path`), and remembering the functions that needed
 the graph path once. Every policy that recomputes ends here: ``checkpoint()`` directly, the
-``budget:<size>`` plan (:mod:`gradpatch.checkpointing.budget`) for the blocks it recomputes.
+``budget:<size>`` plan (:mod:`gradpatch.checkpointing.budget`) for the blocks it recomputes;
+:func:`graph_path_reason` tells the plan why a block went to the graph path at once.
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ def run(func: Callable[..., Any], args: tuple, kwargs: dict | None) -> Any:
     owner, tag = _escape_key(func)
     if isinstance(owner, torch.nn.Module) and owner.__dict__.get("_is_replica"):
         return graph_path(func, args, kwargs)  # DataParallel: parameters computed in another thread
-    if sharded_inside(func):  # FSDP2/FSDP1/ZeRO-3 hooks inside: recompute within the graph
+    if sharded_inside(func, args, kwargs):  # FSDP2/FSDP1/ZeRO-3 hooks inside: recompute within the graph
         return graph_path(func, args, kwargs, rebind=False)
     try:
         escaped = tag in _ESCAPED.get(owner, ())
@@ -49,6 +50,20 @@ def run(func: Callable[..., Any], args: tuple, kwargs: dict | None) -> Any:
         except TypeError:
             pass
     return graph_path(func, args, kwargs)
+
+
+def graph_path_reason(func: Callable[..., Any], args: tuple, kwargs: dict | None) -> str:
+    """Why :func:`run` sends this call to the graph path at once (for the ``budget:<size>`` plan's
+    report of a block it cannot measure, as torch's checkpoint runs it)."""
+    if is_compiling():
+        return "inside torch.compile"
+    owner, tag = _escape_key(func)
+    if isinstance(owner, torch.nn.Module) and owner.__dict__.get("_is_replica"):
+        return "a DataParallel replica"
+    sharded = sharded_inside(func, args, kwargs)
+    if sharded:
+        return f"holds modules a sharding engine manages ({sharded})"
+    return "an earlier call needed torch's checkpoint (it read a tensor it was not given, or returned an input)"
 
 
 def _escape_key(func: Callable[..., Any]) -> tuple[Any, Any]:

@@ -20,112 +20,220 @@ engine's post-backward hook runs. DDP, ZeRO-1/2 and FSDP1 units wrapping the blo
 change the parameters inside the call (FSDP1's views of its flat parameter already send the call to the
 graph path, as any non-leaf parameter does).
 
-Cost: nothing unless ``torch.distributed`` has a process group; then one walk over the call's modules
-at each call (about 20 us for AudioLDM's BasicTransformerBlock, 24 modules, on CPU, DeepSpeed
-imported), not cached, so that an engine applied after a first forward is seen.
+**Where modules are looked for** (:class:`Search`): everything the call is given and everything its
+function holds: a bound method's module (its submodules, and the lists, tuples and dicts it keeps as
+plain attributes), a ``functools.partial``'s function, arguments and keywords, closure cells, default
+arguments, the call's own arguments, the module-level globals the function's code names (and, through
+them, the functions defined outside torch, gradpatch and the standard library), lists, tuples, sets
+and dicts at any depth, and the attributes of other objects (a sampler's wrapper holding its model). A
+module found other than as a method's owner counts itself too: calling it runs its own hooks inside
+the call. Where the search cannot finish (over :data:`LIMIT` objects), the call takes the graph path:
+the fast path gets no call it could not vet. Not seen: modules reached only through globals that a
+submodule's own ``forward`` reads.
+
+Cost: nothing unless ``torch.distributed`` has a process group and FSDP or DeepSpeed is imported; then
+one search at each call (tens of microseconds for AudioLDM's BasicTransformerBlock, 24 modules, on
+CPU), not cached, so that an engine applied after a first forward is seen.
 """
 from __future__ import annotations
 
 import functools
 import sys
-from typing import Any, Callable, Iterator
+import types
+from typing import Any, Callable
 
 import torch
 
-__all__ = ["sharded_inside", "modules_of", "engine_loaded"]
+__all__ = ["sharded_inside", "modules_of", "engine_loaded", "Search", "LIMIT"]
+
+#: Most objects one search visits; beyond, the call is taken as managed (the graph path).
+LIMIT = 4000
+
+_ENGINE_MODULES = ("torch.distributed.fsdp", "torch.distributed._composable.fsdp", "deepspeed")
+#: Functions of these top-level packages, named by a global, are not searched (they hold no user model).
+_LIBRARIES = frozenset({"torch", "gradpatch", "einops", "numpy", "typing", "typing_extensions"}
+                       | set(getattr(sys, "stdlib_module_names", ())))
+_PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.Tensor, type, types.ModuleType,
+          types.BuiltinFunctionType, types.BuiltinMethodType, torch.dtype, torch.device)
+_MODULE_STATE = frozenset(torch.nn.Module().__dict__)  # what every module holds: searched otherwise
+_NAMES: dict[types.CodeType, tuple[str, ...]] = {}  # global names a code object (and those nested) reads
 
 
-def sharded_inside(func: Callable[..., Any]) -> str | None:
-    """The engine managing a module or parameter inside ``func``'s call (a description such as
-    ``"FSDP2 (fully_shard) on attn1"``), or ``None``."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+def sharded_inside(func: Callable[..., Any], args: tuple = (), kwargs: dict | None = None) -> str | None:
+    """The engine managing a module or parameter that ``func(*args, **kwargs)`` reaches (a description
+    such as ``"FSDP2 (fully_shard) on attn1"``), a description of why the search could not tell, or
+    ``None``: no process group, no engine imported, or nothing managed found."""
+    if not engine_loaded():
         return None
-    units = _fsdp_classes()
-    zero3 = "deepspeed" in sys.modules  # ZeRO-3 marks its parameters with ``ds_id``
-    for owner in modules_of(func):
-        stack = [owner]
-        while stack:  # flat, no names: under 1 us a module; names only for a hit
-            module = stack.pop()
-            if zero3:
-                for p in module._parameters.values():
-                    if p is not None and "ds_id" in p.__dict__:
-                        return f"DeepSpeed ZeRO-3 on {_name(owner, module) or type(owner).__name__}"
-            for child in module._modules.values():
-                if child is None:
-                    continue
-                if units and isinstance(child, units):
-                    engine = next(label for cls, label in _FSDP_LABELS if isinstance(child, cls))
-                    return f"{engine} on {_name(owner, child)}"
-                stack.append(child)
-    return None
+    return Search(_fsdp_classes(), "deepspeed" in sys.modules).call(func, args, kwargs)
 
 
 def engine_loaded() -> bool:
     """Whether a sharding engine could be managing modules anywhere: a process group, and FSDP or
-    DeepSpeed imported. For calls whose modules :func:`modules_of` cannot see (a sampler's denoiser,
-    reached through attributes of objects that are not modules)."""
+    DeepSpeed imported. For calls whose modules cannot be searched (a sampler's denoiser, reached
+    through objects the sampler step builds)."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return False
-    return any(name in sys.modules for name in (
-        "torch.distributed.fsdp", "torch.distributed._composable.fsdp", "deepspeed"))
+    return any(name in sys.modules for name in _ENGINE_MODULES)
+
+
+def modules_of(func: Callable[..., Any], args: tuple = (), kwargs: dict | None = None) -> list[torch.nn.Module]:
+    """The modules the call reaches (see :class:`Search`), in the order found."""
+    search = Search((), False)
+    search.call(func, args, kwargs)
+    return search.found
+
+
+class Search:
+    """One search of a call for modules an engine manages: ``units`` are the engines' module classes
+    (FSDP2, FSDP1), ``zero3`` whether to look for ZeRO-3's marked parameters (``ds_id``)."""
+
+    def __init__(self, units: tuple[type, ...], zero3: bool) -> None:
+        self.units, self.zero3 = units, zero3
+        self.seen: set[int] = set()
+        self.found: list[torch.nn.Module] = []
+
+    def call(self, func: Callable[..., Any], args: tuple, kwargs: dict | None) -> str | None:
+        owner = getattr(func, "__self__", None)
+        try:
+            if isinstance(owner, torch.nn.Module) and hasattr(func, "__func__"):
+                hit = self.module(owner, itself=False) or self.value(func.__func__)  # ``self._forward``
+            elif isinstance(func, (torch.nn.Module, functools.partial, types.FunctionType, types.MethodType)):
+                hit = self.value(func)
+            else:  # a callable object of any kind: what it holds
+                self._visit(func)
+                hit = self.value(dict(getattr(func, "__dict__", None) or {}))
+            return hit or self.value(args) or self.value(kwargs)
+        except (_TooMany, RecursionError):
+            return (f"a sharding engine is loaded and the call reaches more than {LIMIT} objects: "
+                    "taken as managed")
+
+    def module(self, top: torch.nn.Module, itself: bool) -> str | None:
+        """``top``'s tree (``top`` itself only if ``itself``): a unit, or a ZeRO-3 parameter."""
+        if itself and self.units and isinstance(top, self.units):
+            return self._unit(top, top)
+        stack = [top]
+        while stack:  # flat, no names: under 1 us a module; names only for a hit
+            module = stack.pop()
+            if id(module) in self.seen:
+                continue
+            self._visit(module)
+            self.found.append(module)
+            if self.units and module is not top and isinstance(module, self.units):
+                return self._unit(top, module)
+            if self.zero3:
+                for p in module._parameters.values():
+                    if p is not None and "ds_id" in p.__dict__:
+                        return f"DeepSpeed ZeRO-3 on {_name(top, module) or type(top).__name__}"
+            for key, value in module.__dict__.items():  # plain lists and dicts of modules it keeps
+                if type(value) in (list, tuple, dict) and key not in _MODULE_STATE and \
+                        (hit := self.value(value)):
+                    return hit
+            stack += [child for child in module._modules.values() if child is not None]
+        return None
+
+    def _unit(self, top: torch.nn.Module, module: torch.nn.Module) -> str:
+        engine = next(label for cls, label in _FSDP_LABELS if isinstance(module, cls))
+        return f"{engine} on {_name(top, module) or type(module).__name__}"
+
+    def value(self, obj: Any) -> str | None:
+        if isinstance(obj, _PLAIN) or id(obj) in self.seen:
+            return None
+        if isinstance(obj, torch.nn.Module):
+            return self.module(obj, itself=True)
+        self._visit(obj)
+        if isinstance(obj, (list, tuple, set, frozenset)):
+            return next((hit for v in obj if (hit := self.value(v))), None)
+        if isinstance(obj, dict):
+            return next((hit for v in obj.values() if (hit := self.value(v))), None)
+        if isinstance(obj, functools.partial):
+            return self.value(obj.func) or self.value(obj.args) or self.value(obj.keywords)
+        if isinstance(obj, types.MethodType):
+            owner = obj.__self__
+            if isinstance(owner, torch.nn.Module):  # its forward called directly: no hooks of its own
+                return self.module(owner, itself=False) or self.value(obj.__func__)
+            return self.value(owner) or self.value(obj.__func__)
+        if isinstance(obj, types.FunctionType):
+            return self.function(obj)
+        attributes = getattr(obj, "__dict__", None)  # another object, not a library's: what it holds
+        if not isinstance(attributes, dict) or _library(type(obj)):
+            return None
+        return self.value(dict(attributes))
+
+    def function(self, func: types.FunctionType) -> str | None:
+        cells = []
+        for cell in func.__closure__ or ():
+            try:
+                cells.append(cell.cell_contents)
+            except ValueError:  # an empty cell
+                pass
+        hit = self.value(cells) or self.value(func.__defaults__) or self.value(func.__kwdefaults__)
+        if hit:
+            return hit
+        scope = func.__globals__
+        for name in _global_names(func.__code__):
+            value = scope.get(name)
+            if value is None or isinstance(value, _PLAIN):
+                continue
+            if isinstance(value, types.FunctionType) and _library(value):
+                continue
+            if hit := self.value(value):
+                return hit
+        return None
+
+    def _visit(self, obj: Any) -> None:
+        self.seen.add(id(obj))
+        if len(self.seen) > LIMIT:
+            raise _TooMany
+
+
+class _TooMany(Exception):
+    pass
+
+
+def _global_names(code: types.CodeType) -> tuple[str, ...]:
+    names = _NAMES.get(code)
+    if names is None:
+        found, stack = set(), [code]
+        while stack:
+            c = stack.pop()
+            found.update(c.co_names)
+            stack += [k for k in c.co_consts if isinstance(k, types.CodeType)]
+        names = _NAMES[code] = tuple(sorted(found))
+    return names
+
+
+def _library(obj: Any) -> bool:
+    """Whether a function or class comes from torch, gradpatch or the standard library."""
+    return (getattr(obj, "__module__", None) or "").partition(".")[0] in _LIBRARIES
 
 
 def _name(owner: torch.nn.Module, module: torch.nn.Module) -> str:
     return next((n for n, m in owner.named_modules() if m is module), "")
 
 
-def modules_of(func: Callable[..., Any]) -> Iterator[torch.nn.Module]:
-    """The modules ``func`` evidently calls: itself, its ``__self__``, a ``functools.partial``'s
-    function and arguments, and the modules its closure cells hold."""
-    owner = getattr(func, "__self__", None)
-    if isinstance(owner, torch.nn.Module) and getattr(func, "__closure__", None) is None:
-        yield owner  # upstream's ``self._forward``
-        return
-    seen: set[int] = set()
-    stack: list[Any] = [func]
-    while stack:
-        obj = stack.pop()
-        if id(obj) in seen:
-            continue
-        seen.add(id(obj))
-        if isinstance(obj, torch.nn.Module):
-            yield obj
-            continue
-        if isinstance(obj, functools.partial):
-            stack += [obj.func, *obj.args, *obj.keywords.values()]
-            continue
-        owner = getattr(obj, "__self__", None)
-        if isinstance(owner, torch.nn.Module):
-            stack.append(owner)
-        for cell in getattr(obj, "__closure__", None) or ():
-            try:
-                value = cell.cell_contents
-            except ValueError:  # an empty cell
-                continue
-            if callable(value):
-                stack.append(value)
-
-
-@functools.lru_cache(maxsize=None)
 def _fsdp_classes() -> tuple[type, ...]:
-    """FSDP2's ``FSDPModule`` and FSDP1's ``FullyShardedDataParallel``, those this torch has."""
+    """FSDP2's ``FSDPModule`` and FSDP1's ``FullyShardedDataParallel``, those this torch has, from the
+    modules already imported: a unit exists only once its engine's module was imported."""
+    key = tuple(name in sys.modules for name in _ENGINE_MODULES[:2])
+    if key != _LOADED[0]:
+        _LOADED[0] = key
+        _FSDP_LABELS[:] = _classes()
+    return tuple(cls for cls, _ in _FSDP_LABELS)
+
+
+def _classes() -> list[tuple[type, str]]:
     found = []
-    try:
-        from torch.distributed.fsdp import FSDPModule as fsdp2  # torch >= 2.6
-    except ImportError:
-        try:
-            from torch.distributed._composable.fsdp import FSDPModule as fsdp2  # torch 2.4, 2.5
-        except ImportError:
-            fsdp2 = None
-    if fsdp2 is not None:
-        found.append((fsdp2, "FSDP2 (fully_shard)"))
-    try:
-        from torch.distributed.fsdp import FullyShardedDataParallel as fsdp1
+    for name in _ENGINE_MODULES[:2]:
+        module = sys.modules.get(name)
+        fsdp2 = getattr(module, "FSDPModule", None)
+        if fsdp2 is not None and all(fsdp2 is not c for c, _ in found):
+            found.append((fsdp2, "FSDP2 (fully_shard)"))
+    fsdp1 = getattr(sys.modules.get("torch.distributed.fsdp"), "FullyShardedDataParallel", None)
+    if fsdp1 is not None:
         found.append((fsdp1, "FSDP1 (FullyShardedDataParallel)"))
-    except ImportError:
-        pass
-    _FSDP_LABELS[:] = found
-    return tuple(cls for cls, _ in found)
+    return found
 
 
+_LOADED: list[Any] = [None]
 _FSDP_LABELS: list[tuple[type, str]] = []  # filled by _fsdp_classes

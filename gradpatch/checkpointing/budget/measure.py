@@ -22,6 +22,7 @@ from torch import Tensor
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from gradpatch.checkpointing import paths
+from gradpatch.checkpointing.budget.key import size_of
 
 _RNG_BYTES = torch.get_rng_state().nbytes  # what the checkpoint saves per call besides the inputs
 _TORCH_CHECKPOINT = os.path.join("torch", "utils", "checkpoint.py")
@@ -122,8 +123,10 @@ def measure(block: Any, func: Callable[..., Any], args: tuple, kwargs: dict | No
         if shared or block.shared:  # the latest call's: each call saves storages of its own
             block.shared, block.consumers, block.anyway = shared, {}, set()
         block.holds = measured.holds
+        block.largest = max(block.largest, size_of(args, kwargs))
     elif block.bytes is None:
         block.opaque = True
+        block.why = paths.graph_path_reason(measured, args, kwargs)
     return out
 
 

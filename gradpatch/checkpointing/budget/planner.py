@@ -23,7 +23,7 @@ class Block:
 
     __slots__ = ("name", "order", "seen", "bytes", "forward", "overhead", "recompute", "keep",
                  "pending", "per_step", "opaque", "shared", "consumers", "holds", "anyway", "added",
-                 "__weakref__")
+                 "why", "largest", "__weakref__")
 
     def __init__(self, name: str, order: int) -> None:
         self.name, self.order, self.seen = name, order, -1
@@ -41,6 +41,8 @@ class Block:
         self.holds: set[int] = set()  # shared storages it takes as input and saves when kept
         self.anyway: set[int] = set()  # shared storages held by others (alive at backward)
         self.added: int | None = None  # what it adds to the current plan (kept) or alone
+        self.why: str | None = None  # why it is not planned (opaque: torch's checkpoint ran it)
+        self.largest = 0  # the largest input size (elements) measured: kept only up to it
 
     @property
     def measured(self) -> bool:
@@ -101,6 +103,12 @@ class Planner:
                 self.plans.clear()
         found.seen = self.epoch
         return found
+
+    def void(self) -> None:
+        """Solve the plan again at the next call (a kept block measured anew at a larger size)."""
+        with self.lock:
+            self.solved_for = None
+            self.plans.clear()
 
     def reset(self) -> None:
         """Forget every block and plan."""

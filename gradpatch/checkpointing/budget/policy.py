@@ -9,7 +9,7 @@ import torch
 from gradpatch import settings
 from gradpatch.checkpointing import paths
 from gradpatch.checkpointing.budget import compiled, measure
-from gradpatch.checkpointing.budget.key import signature, state
+from gradpatch.checkpointing.budget.key import signature, size_of, state
 from gradpatch.checkpointing.budget.planner import PLANNER, TIMING_CALLS
 from gradpatch.checkpointing.budget.report import Plan, PlanEntry
 from gradpatch.checkpointing.compat import is_compiling
@@ -33,7 +33,13 @@ def run(func: Callable[..., Any], args: tuple, kwargs: dict | None, policy: str)
     if PLANNER.solved_for != size and (block.measured or PLANNER.kept_for not in (None, size)):
         PLANNER.solve(size)
     if block.keep:
-        return func(*args, **(kwargs or {}))
+        if size_of(args, kwargs) <= block.largest:
+            return func(*args, **(kwargs or {}))
+        # Larger inputs than measured in this shape bucket: it may keep more than the plan counted.
+        # Recompute and measure this call; the plan is solved again with what it keeps.
+        block.keep = False
+        PLANNER.void()
+        return measure.measure(block, func, args, kwargs)
     if block.measured:
         return paths.run(func, args, kwargs)
     return measure.measure(block, func, args, kwargs)
@@ -55,7 +61,7 @@ def checkpoint_plan(model: torch.nn.Module | None = None) -> Plan:
         known = block.measured and not block.opaque
         size = block.added if block.added is not None and known else block.step_bytes
         entries.append(PlanEntry(name, size, block.seconds if known else None,
-                                 not block.keep, block.measured))
+                                 not block.keep, block.measured, block.why if block.opaque else None))
     plan = Plan(entries)
     plan.policy = settings.checkpoint_policy
     plan.budget = settings.budget_bytes(plan.policy) if settings.is_budget(plan.policy) else None

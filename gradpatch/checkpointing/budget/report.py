@@ -11,14 +11,16 @@ class PlanEntry(NamedTuple):
     blocks share counts in the first; for a recomputed one, what keeping it alone would add) and the
     seconds recomputing it costs (its recompute in backward and the checkpoint's own work in the
     forward: what keeping it saves), both per step, over all its calls; whether the plan recomputes
-    it; whether it is measured. ``None`` figures: not measured yet, or never
-    measurable (a block torch's own checkpoint runs: always recomputed)."""
+    it; whether it is measured; ``why`` it is not planned, if it is not. ``None`` figures: not
+    measured yet, or never measurable (a block torch's own checkpoint runs at once: always recomputed,
+    and ``why`` says what sent it there)."""
 
     name: str
     bytes: int | None
     recompute_seconds: float | None
     recomputed: bool
     measured: bool = True
+    why: str | None = None
 
 
 class Plan(tuple):  # type: ignore[type-arg]
@@ -50,7 +52,18 @@ class Plan(tuple):  # type: ignore[type-arg]
             return (f"{head}: measuring ({sum(e.measured for e in self)} of "
                     f"{len(self)} blocks measured); every block is recomputed meanwhile")
         return (f"{head}: {kept} of {len(self)} blocks kept, {_mib(self.kept_bytes)} of "
-                f"{_mib(self.budget or 0)}, saving about {self.saved_seconds * 1e3:.1f} ms a step")
+                f"{_mib(self.budget or 0)}, saving about {self.saved_seconds * 1e3:.1f} ms a step"
+                f"{self._unplanned()}")
+
+    def _unplanned(self) -> str:
+        """Why blocks are not planned: ``""`` if all are."""
+        reasons = [e.why for e in self if e.why]
+        if not reasons:
+            return ""
+        distinct = list(dict.fromkeys(reasons))
+        more = f" (and {len(distinct) - 1} other reasons)" if len(distinct) > 1 else ""
+        return (f"; {len(reasons)} of {len(self)} blocks not planned, always recomputed through torch's "
+                f"checkpoint, whose recompute the planner cannot measure: {distinct[0]}{more}")
 
     def __str__(self) -> str:
         width = max(len(e.name) for e in self) if self else 5
@@ -59,7 +72,7 @@ class Plan(tuple):  # type: ignore[type-arg]
             size = "?" if e.bytes is None else _mib(e.bytes)
             time_ = "?" if e.recompute_seconds is None else f"{e.recompute_seconds * 1e3:.2f}ms"
             rows.append(f"{e.name:{width}} {size:>12} {time_:>10}  "
-                        f"{'recompute' if e.recomputed else 'keep'}")
+                        f"{'keep' if not e.recomputed else 'recompute (not planned)' if e.why else 'recompute'}")
         return "\n".join([self.summary(), *rows])
 
     def __repr__(self) -> str:
