@@ -22,7 +22,7 @@ graph path, as any non-leaf parameter does).
 
 **Where modules are looked for** (:class:`Search`): everything the call is given and everything its
 function holds: a bound method's module (its submodules, and the lists, tuples and dicts it keeps as
-plain attributes), a ``functools.partial``'s function, arguments and keywords, closure cells, default
+plain attributes itself), a ``functools.partial``'s function, arguments and keywords, closure cells, default
 arguments, the call's own arguments, the module-level globals the function's code names (and, through
 them, the functions defined outside torch, gradpatch and the standard library), lists, tuples, sets
 and dicts at any depth, and the attributes of other objects (a sampler's wrapper holding its model). A
@@ -125,10 +125,11 @@ class Search:
                 for p in module._parameters.values():
                     if p is not None and "ds_id" in p.__dict__:
                         return f"DeepSpeed ZeRO-3 on {_name(top, module) or type(top).__name__}"
-            for key, value in module.__dict__.items():  # plain lists and dicts of modules it keeps
-                if type(value) in (list, tuple, dict) and key not in _MODULE_STATE and \
-                        (hit := self.value(value)):
-                    return hit
+            if module is top:  # the plain lists and dicts of modules it keeps
+                for key, value in module.__dict__.items():
+                    if type(value) in (list, tuple, dict) and key not in _MODULE_STATE and \
+                            (hit := self.value(value)):
+                        return hit
             stack += [child for child in module._modules.values() if child is not None]
         return None
 
