@@ -89,3 +89,21 @@ def test_the_search_reaches_lists_partials_closures_globals_and_objects():
     for what, (func, args) in calls.items():
         found = {id(m) for m in modules_of(func, args)}
         assert {id(a), id(b)} <= found, what
+
+
+def test_the_search_reaches_a_namespace_argument_and_skips_a_global_logger():
+    import logging
+    import types
+
+    a = torch.nn.Linear(1, 1)
+    namespace = types.SimpleNamespace(model=a)
+    assert any(m is a for m in modules_of(lambda ns, x: x, (namespace, None)))
+    assert isinstance(LOGGER, logging.Logger) and modules_of(_uses_logger) == []  # a global: not walked
+
+
+LOGGER = __import__("logging").getLogger("gradpatch.test.reach")
+
+
+def _uses_logger(x):
+    LOGGER.debug("x")
+    return x

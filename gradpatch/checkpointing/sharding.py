@@ -24,8 +24,9 @@ graph path, as any non-leaf parameter does).
 function holds: a bound method's module (its submodules, and the lists, tuples and dicts it keeps as
 plain attributes itself), a ``functools.partial``'s function, arguments and keywords, closure cells, default
 arguments, the call's own arguments, the module-level globals the function's code names (and, through
-them, the functions defined outside torch, gradpatch and the standard library), lists, tuples, sets
-and dicts at any depth, and the attributes of other objects (a sampler's wrapper holding its model). A
+them, the functions and objects defined outside torch, gradpatch and the standard library), lists,
+tuples, sets and dicts at any depth, and the attributes of other objects (a sampler's wrapper holding
+its model, a ``SimpleNamespace``; not torch's own). A
 module found other than as a method's owner counts itself too: calling it runs its own hooks inside
 the call. Where the search cannot finish (over :data:`LIMIT` objects), the call takes the graph path:
 the fast path gets no call it could not vet. Not seen: modules reached only through globals that a
@@ -92,6 +93,7 @@ class Search:
         self.units, self.zero3 = units, zero3
         self.seen: set[int] = set()
         self.found: list[torch.nn.Module] = []
+        self.in_globals = False  # searching what a function's globals hold: library objects skipped
 
     def call(self, func: Callable[..., Any], args: tuple, kwargs: dict | None) -> str | None:
         owner = getattr(func, "__self__", None)
@@ -156,9 +158,9 @@ class Search:
             return self.value(owner) or self.value(obj.__func__)
         if isinstance(obj, types.FunctionType):
             return self.function(obj)
-        attributes = getattr(obj, "__dict__", None)  # another object, not a library's: what it holds
-        if not isinstance(attributes, dict) or _library(type(obj)):
-            return None
+        attributes = getattr(obj, "__dict__", None)  # another object: what it holds (not torch's; from
+        if not isinstance(attributes, dict) or _library(type(obj), self.in_globals):  # globals, not
+            return None  # a library's either: a global logger or cache leads everywhere)
         return self.value(dict(attributes))
 
     def function(self, func: types.FunctionType) -> str | None:
@@ -171,16 +173,20 @@ class Search:
         hit = self.value(cells) or self.value(func.__defaults__) or self.value(func.__kwdefaults__)
         if hit:
             return hit
-        scope = func.__globals__
-        for name in _global_names(func.__code__):
-            value = scope.get(name)
-            if value is None or isinstance(value, _PLAIN):
-                continue
-            if isinstance(value, types.FunctionType) and _library(value):
-                continue
-            if hit := self.value(value):
-                return hit
-        return None
+        scope, outer = func.__globals__, self.in_globals
+        self.in_globals = True
+        try:
+            for name in _global_names(func.__code__):
+                value = scope.get(name)
+                if value is None or isinstance(value, _PLAIN):
+                    continue
+                if isinstance(value, types.FunctionType) and _library(value, True):
+                    continue
+                if hit := self.value(value):
+                    return hit
+            return None
+        finally:
+            self.in_globals = outer
 
     def _visit(self, obj: Any) -> None:
         self.seen.add(id(obj))
@@ -204,9 +210,10 @@ def _global_names(code: types.CodeType) -> tuple[str, ...]:
     return names
 
 
-def _library(obj: Any) -> bool:
-    """Whether a function or class comes from torch, gradpatch or the standard library."""
-    return (getattr(obj, "__module__", None) or "").partition(".")[0] in _LIBRARIES
+def _library(obj: Any, any_library: bool) -> bool:
+    """Whether a function or class comes from torch, or (``any_library``) from any of :data:`_LIBRARIES`."""
+    package = (getattr(obj, "__module__", None) or "").partition(".")[0]
+    return package in _LIBRARIES if any_library else package == "torch"
 
 
 def _name(owner: torch.nn.Module, module: torch.nn.Module) -> str:
