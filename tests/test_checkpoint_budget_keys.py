@@ -120,3 +120,19 @@ def test_a_new_length_at_every_step_is_planned_per_bucket():
     model.double()
     x = torch.randn(2, 170, 32, dtype=torch.float64)
     assert_same_grads(step_grads(model, x, policy, 3), step_grads(model, x, "never", 3))
+
+
+def test_the_key_holds_submodule_settings_and_an_integer_dropout_probability():
+    from gradpatch.checkpointing.budget import key
+
+    block = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0), torch.nn.GELU())
+    first = key.state(block)
+    block[1].p = 0.5  # Dropout(0) holds the integer 0
+    assert key.state(block) != first
+    block[1].p = 0
+    assert key.state(block) == first
+    block[2].approximate = "tanh"
+    assert key.state(block) != first
+    block[2].approximate = "none"
+    block[1].eval()  # a submodule's own mode
+    assert key.state(block) != first

@@ -82,6 +82,11 @@ def state(owner: torch.nn.Module) -> tuple:
 def _settings(owner: torch.nn.Module) -> list[tuple[dict, str]]:
     found = []
     for module in owner.modules():
+        dropout = isinstance(module, _DROPOUT)  # its p, also where given as an integer (Dropout(0))
         found += [(module.__dict__, name) for name, value in module.__dict__.items()
-                  if type(value) in SETTINGS and not (module is owner and name == "training")]
+                  if (type(value) in SETTINGS or dropout and name == "p")
+                  and not (module is owner and name == "training")]
     return found
+
+
+_DROPOUT = torch.nn.modules.dropout._DropoutNd
