@@ -49,7 +49,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import checkpoint_speed as speed  # noqa: E402
 
 from gradpatch.checkpointing import checkpoint as fixed  # noqa: E402
-from gradpatch.checkpointing import budget as planner  # noqa: E402
+from gradpatch.checkpointing import budget  # noqa: E402
 
 FRACTIONS = (0.25, 0.5, 0.75)
 # The real AudioLDM-S UNet (audioldm.utils.default_audioldm_config(): 8 latent channels,
@@ -102,20 +102,20 @@ def budget_policy(size: int) -> str:
 
 def forced(blocks: list, keep: list[bool], key: int) -> str:
     """A policy whose plan is ``keep``: the planner's plan for the otherwise unused size ``key``."""
-    planner._PLANNER.plans[key] = [(b, k, None) for b, k in zip(blocks, keep)]
+    budget._PLANNER.plans[key] = [(b, k, None) for b, k in zip(blocks, keep)]
     return budget_policy(key)
 
 
 def measure_plans(model: torch.nn.Module, batch: tuple, size: int) -> list:
     """Run the measuring steps under a budget; return the planned blocks, in order."""
     speed.VARIANTS["_measure"] = (fixed.replace_checkpoint(speed.V1), budget_policy(size))
-    for _ in range(planner.TIMING_CALLS + 1):
+    for _ in range(budget.TIMING_CALLS + 1):
         with speed.use("_measure"):
             speed.step(model, batch)
     del speed.VARIANTS["_measure"]
-    plan = planner.checkpoint_plan(model)
+    plan = budget.checkpoint_plan(model)
     assert plan.complete, plan
-    return [block for _, block in planner._PLANNER.live()]
+    return [block for _, block in budget._PLANNER.live()]
 
 
 def add_budgets(model: torch.nn.Module, batch: tuple,
@@ -129,7 +129,7 @@ def add_budgets(model: torch.nn.Module, batch: tuple,
             memory[variant] = speed.saved_bytes(model, batch)
     gap = memory["never"] - memory["respect"]
     sizes = {f"budget {int(f * 100)}%": int(f * gap) for f in FRACTIONS}
-    planner.reset()
+    budget.reset()
     blocks = measure_plans(model, batch, sizes["budget 50%"])
     for variant, size in sizes.items():
         speed.VARIANTS[variant] = (checkpoint, budget_policy(size))
@@ -188,7 +188,7 @@ def curve(name: str, rounds: int, warmup: int, exhaustive: bool) -> None:
     half = sizes["budget 50%"]
     speed.VARIANTS["greedy 50%"] = (fixed_copy, forced(blocks, greedy(blocks, half), half + 1))
     # The same greedy with naive byte counts, scaled so that keeping all still fills the gap.
-    raw = raw_bytes(model, batch, [owner for owner, _ in planner._PLANNER.live()])
+    raw = raw_bytes(model, batch, [owner for owner, _ in budget._PLANNER.live()])
     scale = sum(b.step_bytes for b in blocks) / sum(raw)
     naive = greedy(blocks, half, [int(r * scale) for r in raw])
     speed.VARIANTS["naive 50%"] = (fixed_copy, forced(blocks, naive, half + 2))
@@ -207,7 +207,7 @@ def curve(name: str, rounds: int, warmup: int, exhaustive: bool) -> None:
         with speed.use(variant):
             live[variant] = live_bytes(model, batch)
             if variant in sizes:
-                reported[variant] = planner.checkpoint_plan(model)
+                reported[variant] = budget.checkpoint_plan(model)
     times = speed.interleaved(model, batch, list(speed.VARIANTS), rounds, warmup)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"\n== {name}: {n_params / 1e6:.1f}M params, {len(blocks)} checkpointed blocks, {rounds} "
@@ -224,8 +224,8 @@ def curve(name: str, rounds: int, warmup: int, exhaustive: bool) -> None:
               f"{low:6.3f}..{high:5.3f} {memory[variant] / 2**20:13.2f}MiB "
               f"{beyond / 2**20:12.2f}MiB {ratio}")
     print("planned: " + "; ".join(
-        f"{v}: {sum(k for _, k, _ in planner._PLANNER.plans[s])} of {len(blocks)} kept, "
-        f"{sum(a for _, k, a in planner._PLANNER.plans[s] if k) / 2**20:.2f} MiB estimated"
+        f"{v}: {sum(k for _, k, _ in budget._PLANNER.plans[s])} of {len(blocks)} kept, "
+        f"{sum(a for _, k, a in budget._PLANNER.plans[s] if k) / 2**20:.2f} MiB estimated"
         for v, s in sizes.items()))
     live_gap = live["never"] - live["respect"]
     print(f"live storages after the forward (weak references): respect "
@@ -241,7 +241,7 @@ def curve(name: str, rounds: int, warmup: int, exhaustive: bool) -> None:
               f"{plan.kept_bytes / kept:10.3f} {plan.kept_bytes / alive:6.3f} "
               f"{sum(not e.recomputed for e in plan):3}/{len(plan)}")
     median, low, high = speed.paired(times, "budget 50%", "greedy 50%")
-    planned = {b: k for b, k, _ in planner._PLANNER.plans[sizes["budget 50%"]]}
+    planned = {b: k for b, k, _ in budget._PLANNER.plans[sizes["budget 50%"]]}
     differ = sum(planned[b] != k for b, k in zip(blocks, greedy(blocks, sizes["budget 50%"])))
     print(f"budget 50% / greedy 50% = {median:.3f} ({low:.3f}..{high:.3f}); the plans differ in "
           f"{differ} of {len(blocks)} blocks")
@@ -280,7 +280,7 @@ def gpu_curve(dtype: torch.dtype | None, rounds: int, every_block: bool = False)
             memory.setdefault(variant, speed.saved_bytes(model, batch))
             peak[variant] = speed.peak_bytes(model, batch)
             if variant in sizes:
-                reported[variant] = planner.checkpoint_plan(model).kept_bytes
+                reported[variant] = budget.checkpoint_plan(model).kept_bytes
     times = speed.interleaved(model, batch, list(speed.VARIANTS), rounds, 2)
     base = "V1" if "V1" in speed.VARIANTS else "respect"
     label = (f"{dtype} autocast" if dtype else "fp32") + (", every block checkpointed" if every_block else "")
@@ -297,7 +297,7 @@ def gpu_curve(dtype: torch.dtype | None, rounds: int, every_block: bool = False)
               f"{peak[variant] / 2**20:10.0f}MiB {ratio:>23}")
     print("checkpoint_plan() reports, over the allocator's bytes beyond respect: " + ", ".join(
         f"{v} {reported[v] / max(memory[v] - memory['respect'], 1):.3f}" for v in sizes))
-    planner.reset()
+    budget.reset()
 
 
 def main() -> None:

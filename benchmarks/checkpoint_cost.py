@@ -10,7 +10,7 @@ are recorded once, then replayed, interleaved in a fresh random order every roun
 * ``graph``: the same with grad mode on, building (and freeing) the graph, as the fix's forward must
   for a block to see what its recompute sees;
 * ``graph + walk``: plus the walk that finds the leaves the outputs depend on;
-* ``fixed``: the fix's whole fast-path forward (``_recompute.attempt``);
+* ``fixed``: the fix's whole fast-path forward (``recompute.attempt``);
 * ``V1``: upstream's ``CheckpointFunction.apply``.
 
 Then real training steps of V1 and the fix, interleaved, with the time spent in the checkpoint nodes'
@@ -33,7 +33,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import checkpoint_speed as speed  # noqa: E402
 
-from gradpatch.checkpointing import _graph_walk, _recompute  # noqa: E402
+from gradpatch.checkpointing import graph_walk, recompute  # noqa: E402
 
 CheckpointFunction = speed.util.CheckpointFunction
 
@@ -64,13 +64,13 @@ def replay(kind: str, calls: list) -> None:
             func(*inputs)
     elif kind == "graph + walk":
         for func, inputs, _ in calls:
-            start = _recompute.sequence_nr()
+            start = recompute.sequence_nr()
             out = func(*inputs)
-            _graph_walk.sources([out], start, _recompute.sequence_nr(),
+            graph_walk.sources([out], start, recompute.sequence_nr(),
                                 [t for t in inputs if t.requires_grad])
     elif kind == "fixed":
         for func, inputs, _ in calls:
-            _recompute.attempt(func, inputs, None)
+            recompute.attempt(func, inputs, None)
     elif kind == "V1":
         for func, inputs, params in calls:
             CheckpointFunction.apply(func, len(inputs), *inputs, *params)
@@ -92,9 +92,9 @@ def main() -> None:
     calls = record_calls(model, batch)
     nodes = 0
     for func, inputs, _ in calls:
-        start = _recompute.sequence_nr()
+        start = recompute.sequence_nr()
         func(*inputs)
-        nodes += _recompute.sequence_nr() - start
+        nodes += recompute.sequence_nr() - start
     print(f"{args.model} on {args.device}: {len(calls)} checkpointed calls a step, {nodes} autograd "
           f"nodes in their forwards; CPU-side ms a step, medians of {args.rounds} rounds")
     kinds = ["no_grad", "graph", "graph + walk", "fixed", "V1"]
@@ -118,8 +118,8 @@ def main() -> None:
                 spent[key] += time.perf_counter() - start
         return staticmethod(wrapper)
 
-    saved = _recompute._Recompute.backward, CheckpointFunction.backward
-    _recompute._Recompute.backward = timed("fixed", saved[0])
+    saved = recompute.Recompute.backward, CheckpointFunction.backward
+    recompute.Recompute.backward = timed("fixed", saved[0])
     CheckpointFunction.backward = timed("V1", saved[1])
     steps: dict[str, list[float]] = collections.defaultdict(list)
     try:
@@ -130,7 +130,7 @@ def main() -> None:
                     steps[f"step, {variant}"].append(speed.step(model, batch))
                 steps[f"nodes' backward, {variant}"].append(spent[variant])
     finally:
-        _recompute._Recompute.backward, CheckpointFunction.backward = saved
+        recompute.Recompute.backward, CheckpointFunction.backward = saved
     for key in sorted(steps):
         print(f"  {key:22} {statistics.median(steps[key]) * 1e3:9.3f}")
 

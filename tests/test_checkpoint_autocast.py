@@ -15,8 +15,8 @@ import torch
 from torch.testing import assert_close
 
 import gradpatch
-from gradpatch.checkpointing import _paths
-from gradpatch.checkpointing import budget as planner
+from gradpatch.checkpointing import budget, paths
+from gradpatch.checkpointing import checkpoint as fixed
 from test_checkpoint_upstream import TARGETS, assert_grads_equal, build, freeze, install
 
 AUDIOLDM = TARGETS["audioldm"]
@@ -42,20 +42,20 @@ def assert_close_scaled(got: dict, want: dict, rtol: float = 1e-3) -> None:
 def run_policy(policy: str, model: torch.nn.Module, one_step, want: dict, compare) -> None:
     """Compare every step of ``policy`` with ``want``: for ``budget``, the measuring steps and a
     planned one that keeps about half of the blocks."""
-    planner.reset()
+    budget.reset()
     if policy == "respect":
         with gradpatch.checkpoint_policy_scope("respect"):
             compare(one_step(model), want)
         return
     with gradpatch.checkpoint_policy_scope("budget:100GB"):
-        for _ in range(planner.TIMING_CALLS):
+        for _ in range(budget.TIMING_CALLS):
             compare(one_step(model), want)
-    half = sum(e.bytes for e in planner.checkpoint_plan()) // 2
+    half = sum(e.bytes for e in budget.checkpoint_plan()) // 2
     with gradpatch.checkpoint_policy_scope(f"budget:{half}"):
         compare(one_step(model), want)
-        plan = planner.checkpoint_plan()
+        plan = budget.checkpoint_plan()
     assert plan.complete and 0 < sum(not e.recomputed for e in plan) < len(plan), plan
-    planner.reset()
+    budget.reset()
 
 
 def cpu_autocast_step(model: torch.nn.Module) -> dict:
@@ -167,7 +167,7 @@ def test_cuda_data_parallel_replicas_frozen_subset(monkeypatch, deterministic_cu
     freeze(model, AUDIOLDM, "cross-attention-only")
     parallel = torch.nn.DataParallel(model, device_ids=devices)
     replicas_routed = []
-    graph_path = _paths._graph_path
+    graph_path = paths.graph_path
 
     def counting_graph_path(func, args, kwargs):
         owner = getattr(func, "__self__", None)
@@ -190,6 +190,6 @@ def test_cuda_data_parallel_replicas_frozen_subset(monkeypatch, deterministic_cu
         one_step(model)  # upstream V1
     with monkeypatch.context() as mp:
         install(mp, AUDIOLDM, "fixed")
-        mp.setattr(_paths, "_graph_path", counting_graph_path)
+        mp.setattr(paths, "graph_path", counting_graph_path)
         assert_close_scaled(one_step(model), want, rtol=1e-5)
     assert replicas_routed and all(replicas_routed), replicas_routed

@@ -16,10 +16,10 @@ from torch.profiler import ProfilerActivity, profile
 
 import gradpatch
 from conftest import last_json, run_python
-from gradpatch.checkpointing import plan as budget
 from gradpatch import settings
-from gradpatch.checkpointing import budget as planner
-from gradpatch.patching.patch import report_line
+from gradpatch.checkpointing import budget
+from gradpatch.checkpointing.budget import knapsack
+from gradpatch.patching import patch as registry
 from test_checkpoint_upstream import TARGETS, assert_grads_equal, build, freeze, install, step
 
 AUDIOLDM = TARGETS["audioldm"]
@@ -31,13 +31,13 @@ AUDIOLDM = TARGETS["audioldm"]
     ("2.5E3", 2500), ("1tb", 10**12),
 ])
 def test_sizes(text, size):
-    assert budget.parse_size(text) == size
+    assert settings.parse_size(text) == size
 
 
 @pytest.mark.parametrize("text", ["", "lots", "-5MB", "5XB", "1e", "inf", "nan", "5 M B", "1e30"])
 def test_bad_sizes_say_what_to_write(text):
     with pytest.raises(ValueError, match="size"):
-        budget.parse_size(text)
+        settings.parse_size(text)
     with pytest.raises(ValueError) as error:
         settings.set_checkpoint_policy(f"budget:{text}")
     assert f"checkpoint policy 'budget:{text}'" in str(error.value)
@@ -82,22 +82,22 @@ print(json.dumps([first, settings.checkpoint_policy, inside]))
 def test_knapsack_is_optimal_and_within_budget():
     rng = random.Random(0)
     for _ in range(300):
-        items = [budget.Item(rng.choice([0, rng.randint(1, 1000)]), rng.choice([0.0, rng.random()]))
+        items = [knapsack.Item(rng.choice([0, rng.randint(1, 1000)]), rng.choice([0.0, rng.random()]))
                  for _ in range(rng.randint(1, 9))]
         size = rng.randint(0, 3000)
         fits = [keep for keep in itertools.product((False, True), repeat=len(items))
                 if sum(it.bytes for it, k in zip(items, keep) if k) <= size]
         best = max(sum(it.seconds for it, k in zip(items, keep) if k) for keep in fits)
-        keep = budget.choose(items, size)
+        keep = knapsack.choose(items, size)
         assert sum(it.bytes for it, k in zip(items, keep) if k) <= size
         assert sum(it.seconds for it, k in zip(items, keep) if k) == pytest.approx(best, abs=1e-12)
         # The fallback rounds sizes up to budget/4096: never over the budget, and at least as good
         # as the best subset within the budget less one rounding unit per item.
-        big = [budget.Item(it.bytes * 10**6 + rng.randint(0, 999), it.seconds) for it in items]
-        chosen = budget._rounded(big, [i for i, it in enumerate(big) if 0 < it.bytes <= size * 10**6
+        big = [knapsack.Item(it.bytes * 10**6 + rng.randint(0, 999), it.seconds) for it in items]
+        chosen = knapsack._rounded(big, [i for i, it in enumerate(big) if 0 < it.bytes <= size * 10**6
                                        and it.seconds > 0], size * 10**6)
         assert sum(big[i].bytes for i in chosen) <= size * 10**6
-        margin = size * 10**6 - len(big) * -(-size * 10**6 // budget._STEPS)
+        margin = size * 10**6 - len(big) * -(-size * 10**6 // knapsack._STEPS)
         within = max(sum(it.seconds for it, k in zip(big, keep) if k and it.bytes > 0)
                      for keep in itertools.product((False, True), repeat=len(big))
                      if sum(it.bytes for it, k in zip(big, keep) if k) <= max(margin, 0))
@@ -105,8 +105,8 @@ def test_knapsack_is_optimal_and_within_budget():
 
 
 def test_knapsack_beats_greedy_by_time_per_byte():
-    items = [budget.Item(60, 6.0), budget.Item(50, 4.9), budget.Item(50, 4.9)]
-    assert budget.choose(items, 100) == [False, True, True]  # greedy would take only the first
+    items = [knapsack.Item(60, 6.0), knapsack.Item(50, 4.9), knapsack.Item(50, 4.9)]
+    assert knapsack.choose(items, 100) == [False, True, True]  # greedy would take only the first
 
 
 def allocated_after_forward(model, x) -> int:
@@ -137,15 +137,15 @@ def policy(name: str):
 @pytest.fixture
 def unet(monkeypatch):
     """The tiny AudioLDM UNet, every block checkpointed, dropout on, the fix installed; a fresh
-    planner."""
+    budget."""
     torch.manual_seed(0)
     model = build(AUDIOLDM, dropout=0.1)
     model.train()
-    planner.reset()
+    budget.reset()
     with monkeypatch.context() as mp:
         install(mp, AUDIOLDM, "fixed")
         yield model
-    planner.reset()
+    budget.reset()
 
 
 def reference(model, x, monkeypatch):
@@ -160,15 +160,15 @@ def test_gradients_equal_no_checkpoint_while_measuring_and_planned(unet, monkeyp
     x = torch.randn(2, 4, 16, 16)
     want = reference(unet, x, monkeypatch)
     with policy("budget:1GiB"):
-        for i in range(planner.TIMING_CALLS):  # measuring steps: everything recomputed
+        for i in range(budget.TIMING_CALLS):  # measuring steps: everything recomputed
             assert_grads_equal(step(unet, AUDIOLDM, x), want)
-            if i < planner.TIMING_CALLS - 1:
-                plan = planner.checkpoint_plan()
+            if i < budget.TIMING_CALLS - 1:
+                plan = budget.checkpoint_plan()
                 assert all(e.recomputed for e in plan) and ": measuring" in plan.summary()
-    total = sum(e.bytes for e in planner.checkpoint_plan())
+    total = sum(e.bytes for e in budget.checkpoint_plan())
     with policy(f"budget:{total // 2}"):
         assert_grads_equal(step(unet, AUDIOLDM, x), want)
-        plan = planner.checkpoint_plan(unet)
+        plan = budget.checkpoint_plan(unet)
     assert plan.complete and len(plan) == 12, plan  # 8 ResBlocks and 4 transformer blocks
     assert 0 < sum(not e.recomputed for e in plan) < len(plan), plan
     assert 0 < plan.kept_bytes <= total // 2
@@ -183,16 +183,16 @@ def test_plan_keeps_what_it_says_within_the_budget(unet):
     with policy("never"):
         never = allocated_after_forward(unet, x)
     with policy("budget:0"):
-        for _ in range(planner.TIMING_CALLS):
+        for _ in range(budget.TIMING_CALLS):
             step(unet, AUDIOLDM, x)
         assert allocated_after_forward(unet, x) == pytest.approx(respect, abs=2**14)
-    estimated = sum(e.bytes for e in planner.checkpoint_plan())
+    estimated = sum(e.bytes for e in budget.checkpoint_plan())
     assert estimated == pytest.approx(never - respect, rel=0.01)  # every kept byte is counted
     for fraction in (0.3, 0.6):
         size = int(fraction * (never - respect))
         with policy(f"budget:{size}"):
             kept = allocated_after_forward(unet, x) - respect
-            plan = planner.checkpoint_plan()
+            plan = budget.checkpoint_plan()
         assert 0 < kept <= size
         assert kept == pytest.approx(plan.kept_bytes, rel=0.01)
 
@@ -204,12 +204,12 @@ def test_measuring_steps_peak_as_respect(unet):
         respect = step_peak(unet, x)
     with policy("budget:1GiB"):
         first = step_peak(unet, x)
-    largest = max(e.bytes for e in planner.checkpoint_plan())
+    largest = max(e.bytes for e in budget.checkpoint_plan())
     # Bytes are counted during the checkpoint's own forward: no extra run, no extra memory (far
     # within the bound of one block's activations above respect).
     assert first <= respect + 2**14 < respect + largest
     with policy("budget:1GiB"):
-        for _ in range(planner.TIMING_CALLS):
+        for _ in range(budget.TIMING_CALLS):
             step(unet, AUDIOLDM, x)
         assert step_peak(unet, x) > respect + largest  # keeping everything: the peak grows
 
@@ -217,18 +217,18 @@ def test_measuring_steps_peak_as_respect(unet):
 def test_new_shapes_are_measured_and_planned_again(unet, monkeypatch):
     x = torch.randn(2, 4, 16, 16)
     with policy("budget:1GiB"):
-        for _ in range(planner.TIMING_CALLS + 1):
+        for _ in range(budget.TIMING_CALLS + 1):
             step(unet, AUDIOLDM, x)
-        before = planner.checkpoint_plan()
+        before = budget.checkpoint_plan()
         assert before.complete and not any(e.recomputed for e in before)
         bigger = torch.randn(2, 4, 32, 32)  # a higher resolution
         want = reference(unet, bigger, monkeypatch)
         assert_grads_equal(step(unet, AUDIOLDM, bigger), want)
-        during = planner.checkpoint_plan()
+        during = budget.checkpoint_plan()
         assert all(e.recomputed for e in during) and "measuring" in during.summary()
-        for _ in range(planner.TIMING_CALLS):
+        for _ in range(budget.TIMING_CALLS):
             step(unet, AUDIOLDM, bigger)
-        after = planner.checkpoint_plan()
+        after = budget.checkpoint_plan()
     assert after.complete and not any(e.recomputed for e in after)
     for old, new in zip(before, after):
         assert new.bytes > 3.5 * old.bytes  # four times the pixels
@@ -238,9 +238,9 @@ def test_alternating_shapes_are_planned_together_within_the_budget(unet, monkeyp
     small, large = torch.randn(2, 4, 16, 16), torch.randn(2, 4, 32, 32)
     want = {id(x): reference(unet, x, monkeypatch) for x in (small, large)}
     with policy("budget:6MiB"):
-        for x in [small, large] * (planner.TIMING_CALLS + 1):
+        for x in [small, large] * (budget.TIMING_CALLS + 1):
             assert_grads_equal(step(unet, AUDIOLDM, x), want[id(x)])
-        plan = planner.checkpoint_plan()
+        plan = budget.checkpoint_plan()
     assert plan.complete and len(plan) == 24, plan  # each block at both shapes
     assert 0 < sum(not e.recomputed for e in plan) < 24 and plan.kept_bytes <= 6 * 2**20
 
@@ -268,7 +268,7 @@ def test_report_and_doctor_show_the_plan(unet, capsys):
     x = torch.randn(2, 4, 16, 16)
     with policy("budget:1GiB"):
         assert "checkpoint policy budget:1GiB" in str(gradpatch.report())
-        for _ in range(planner.TIMING_CALLS + 1):
+        for _ in range(budget.TIMING_CALLS + 1):
             step(unet, AUDIOLDM, x)
         line = report_line()
         assert line.startswith("checkpoint policy budget:1GiB: 12 of 12 blocks kept"), line
@@ -277,8 +277,8 @@ def test_report_and_doctor_show_the_plan(unet, capsys):
             step(unet, AUDIOLDM, x)
     err = capsys.readouterr().err
     assert "12 of 12 blocks kept" in err and "output_blocks.1.0._forward" in err
-    assert report_line() == ""
-    assert gradpatch.checkpoint_plan is planner.checkpoint_plan
+    assert registry.report_line() == ""
+    assert gradpatch.checkpoint_plan is budget.checkpoint_plan
 
 
 @pytest.mark.slow
@@ -341,25 +341,25 @@ class Block(torch.nn.Module):
 def test_a_block_called_twice_per_step_counts_twice():
     sizes = []
     for times in (1, 2):
-        planner.reset()
+        budget.reset()
         torch.manual_seed(0)
         model = Shared(times)
         x = torch.randn(32, 64, requires_grad=True)  # both calls see the same signature
         with policy("budget:1GiB"):
-            for _ in range(planner.TIMING_CALLS):
+            for _ in range(budget.TIMING_CALLS):
                 model(x).sum().backward()
-            plan = planner.checkpoint_plan(model)
+            plan = budget.checkpoint_plan(model)
         assert plan.complete and len(plan) == 1, plan
         sizes.append(plan[0].bytes)
     assert sizes[1] == 2 * sizes[0] > 0
     # Calls at different signatures (input requiring grad or not) are separate blocks.
-    planner.reset()
+    budget.reset()
     x = torch.randn(32, 64)
     with policy("budget:1GiB"):
-        for _ in range(planner.TIMING_CALLS + 1):
+        for _ in range(budget.TIMING_CALLS + 1):
             model(x).sum().backward()
-        plan = planner.checkpoint_plan(model)
-    planner.reset()
+        plan = budget.checkpoint_plan(model)
+    budget.reset()
     # The first call's output, saved by its sigmoid, is the second's saved input: counted once, in
     # the second (which holds it whether kept or recomputed).
     assert plan.complete and [e.bytes for e in plan] == [sizes[0] - 32 * 64 * 4, sizes[0]], plan
@@ -402,14 +402,14 @@ def test_blocks_on_torchs_checkpoint_are_measured_without_disturbing_it():
     with policy("never"):
         for create_graph in (False, True):
             want[create_graph] = grads(create_graph)
-    planner.reset()
+    budget.reset()
     with policy("budget:1GiB"):
-        for _ in range(planner.TIMING_CALLS + 2):
+        for _ in range(budget.TIMING_CALLS + 2):
             for create_graph in (False, True):
                 for g, w in zip(grads(create_graph), want[create_graph]):
                     torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-7)
-        plan = planner.checkpoint_plan(model)
-    planner.reset()
+        plan = budget.checkpoint_plan(model)
+    budget.reset()
     assert plan.complete and len(plan) == 1 and plan[0].bytes > 2**16, plan
 
 
@@ -420,12 +420,12 @@ def test_blocks_only_torchs_checkpoint_runs_are_always_recomputed():
     x = torch.randn(64, 64, requires_grad=True)
     with policy("never"):
         want = torch.autograd.grad(model(x).square().sum(), [x, *model.parameters()])
-    planner.reset()
+    budget.reset()
     with policy("budget:1GiB"):
-        for _ in range(planner.TIMING_CALLS + 1):
+        for _ in range(budget.TIMING_CALLS + 1):
             got = torch.autograd.grad(model(x).square().sum(), [x, *model.parameters()])
             for g, w in zip(got, want):
                 torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-7)
-        plan = planner.checkpoint_plan(model)
-    planner.reset()
+        plan = budget.checkpoint_plan(model)
+    budget.reset()
     assert plan.complete and len(plan) == 1 and plan[0].recomputed and plan[0].bytes is None, plan

@@ -14,7 +14,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import gradpatch
-from gradpatch.checkpointing import _block_key, budget as planner
+from gradpatch.checkpointing import budget
+from gradpatch.checkpointing.budget import key, planner
 from gradpatch.checkpointing.checkpoint import checkpoint
 
 
@@ -59,9 +60,9 @@ def train(model, x, policy: str, steps: int, autocast: bool = False) -> list:
 
 def check(model, x, size: int, respect: int, largest: int) -> None:
     policy = f"budget:{size}"
-    train(model, x, policy, planner.TIMING_CALLS + 1)
+    train(model, x, policy, budget.TIMING_CALLS + 1)
     with gradpatch.checkpoint_policy_scope(policy):
-        plan = planner.checkpoint_plan(model)
+        plan = budget.checkpoint_plan(model)
     kept = extra(model, x, policy) - respect
     assert plan.complete, plan
     assert kept <= 1.05 * size, (kept / size, plan)
@@ -72,9 +73,9 @@ def check(model, x, size: int, respect: int, largest: int) -> None:
 
 @pytest.fixture(autouse=True)
 def fresh_planner():
-    planner.reset()
+    budget.reset()
     yield
-    planner.reset()
+    budget.reset()
 
 
 @pytest.mark.parametrize("fraction", [0.25, 0.5, 0.75])
@@ -86,8 +87,8 @@ def test_kept_bytes_match_memory_at_three_budgets(fraction):
     # The old per-block sum counted each output twice; now the blocks add up to never's extra. (An
     # output that only ops after the blocks save is counted too: an upper bound there.)
     with gradpatch.checkpoint_policy_scope("budget:1GiB"):
-        train(model, x, "budget:1GiB", planner.TIMING_CALLS + 1)
-        total = planner.checkpoint_plan(model).kept_bytes
+        train(model, x, "budget:1GiB", budget.TIMING_CALLS + 1)
+        total = budget.checkpoint_plan(model).kept_bytes
     assert total == pytest.approx(never - respect, rel=0.02)
 
 
@@ -106,9 +107,9 @@ def test_real_audioldm_unet_keeps_its_budget(fraction, monkeypatch):
 
     def kept(size: int) -> tuple[int, object]:
         with gradpatch.checkpoint_policy_scope(f"budget:{size}"):
-            for _ in range(planner.TIMING_CALLS + 1):
+            for _ in range(budget.TIMING_CALLS + 1):
                 step(model, target, x)
-            plan = planner.checkpoint_plan(model)
+            plan = budget.checkpoint_plan(model)
             return allocated_after_forward(model, x) - respect, plan
 
     with gradpatch.checkpoint_policy_scope("respect"):
@@ -117,9 +118,9 @@ def test_real_audioldm_unet_keeps_its_budget(fraction, monkeypatch):
         never = allocated_after_forward(model, x)
     size = int(fraction * (never - respect))
     for pinned in (False, True):
-        planner.reset()
+        budget.reset()
         if pinned:
-            monkeypatch.setattr(planner._Block, "seconds", property(
+            monkeypatch.setattr(planner.Block, "seconds", property(
                 lambda b: float(b.step_bytes) if b.measured and not b.opaque else 0.0))
         extra_, plan = kept(size)
         assert plan.complete and len(plan) == 12, plan
@@ -134,7 +135,7 @@ def test_gradual_unfreezing_is_measured_again():
     size = (never - respect) // 2
     for block in model[:5]:
         block.requires_grad_(False)
-    train(model, x, f"budget:{size}", planner.TIMING_CALLS + 1)
+    train(model, x, f"budget:{size}", budget.TIMING_CALLS + 1)
     for i in (4, 2, 0):  # unfreeze from the top down
         for block in model[i:]:
             block.requires_grad_(True)
@@ -156,37 +157,37 @@ def test_eval_train_and_autocast_switches_are_measured_again():
     respect, never = extra(model, x, "respect"), extra(model, x, "never")
     size = (never - respect) // 2
     model.eval()  # no dropout: less to keep
-    train(model, x, f"budget:{size}", planner.TIMING_CALLS + 1)
+    train(model, x, f"budget:{size}", budget.TIMING_CALLS + 1)
     model.train()
     assert extra(model, x, f"budget:{size}") - respect <= 1.05 * size
     check(model, x, size, respect, (never - respect) // 6 + 2**12)
     respect_bf16 = extra(model, x, "respect", autocast=True)
     assert extra(model, x, f"budget:{size}", autocast=True) - respect_bf16 <= 1.05 * size
-    train(model, x, f"budget:{size}", planner.TIMING_CALLS + 1, autocast=True)
+    train(model, x, f"budget:{size}", budget.TIMING_CALLS + 1, autocast=True)
     kept = extra(model, x, f"budget:{size}", autocast=True) - respect_bf16
     with gradpatch.checkpoint_policy_scope(f"budget:{size}"):
-        plan = planner.checkpoint_plan(model)
+        plan = budget.checkpoint_plan(model)
     assert kept <= 1.05 * size
     assert plan.complete and len(plan) == 6, plan  # the bf16 blocks, measured anew
     assert plan.kept_bytes == pytest.approx(kept, rel=0.05, abs=2**12), (kept, plan)
     # Back to fp32: both dtypes' blocks are planned together, as alternating shapes are.
-    train(model, x, f"budget:{size}", planner.TIMING_CALLS + 1)
+    train(model, x, f"budget:{size}", budget.TIMING_CALLS + 1)
     assert extra(model, x, f"budget:{size}") - respect <= 1.05 * size
 
 
 def test_a_block_state_key_is_cheap_and_follows_registration():
     block = Block(8)
-    first = _block_key.state(block)
-    assert _block_key.state(block) == first
+    first = key.state(block)
+    assert key.state(block) == first
     block.linear.weight.requires_grad_(False)
-    assert _block_key.state(block) != first
+    assert key.state(block) != first
     block.extra = torch.nn.Linear(2, 2)  # a new submodule: its parameters are listed again
-    assert _block_key.state(block)[1] == 0b1110
-    assert len(_block_key._PARAMS[block][1]) == 4
+    assert key.state(block)[1] == 0b1110
+    assert len(key._PARAMS[block][1]) == 4
     block.eval()
-    assert _block_key.state(block)[0] is False
+    assert key.state(block)[0] is False
     block.double()
-    assert _block_key.state(block)[2] is torch.float64
+    assert key.state(block)[2] is torch.float64
 
 
 def test_tradeoff_table_plot_and_cli(tmp_path, capsys):

@@ -2,7 +2,7 @@
 
 Every property is checked against the same computation without any checkpoint (the reference), at
 rtol=1e-5: the gradient of every parameter that should get one, and ``None`` for frozen ones. Both
-implementation paths are exercised on purpose: the fast path (``_Recompute``) for everything a
+implementation paths are exercised on purpose: the fast path (``Recompute``) for everything a
 caller declares, the graph path (non-reentrant torch checkpoint) for undeclared tensors, non-leaf
 parameters and unusual outputs; ``paths`` counts which one ran.
 """
@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from torch.testing import assert_close
 
 from gradpatch import settings
-from gradpatch.checkpointing import _compat, _paths, _recompute
+import gradpatch.checkpointing.paths
+from gradpatch.checkpointing import compat, recompute
 from gradpatch.checkpointing import checkpoint as ck
 
 torch.set_num_threads(1)
@@ -89,7 +90,7 @@ def run(model: nn.Module, impl: Callable, x: torch.Tensor, context=None, seed: i
 def paths(monkeypatch):
     """Count calls of each implementation path."""
     counts = {"fast": 0, "graph": 0}
-    fast_apply, graph = _recompute._Recompute.apply, _paths._graph_path
+    fast_apply, graph = recompute.Recompute.apply, gradpatch.checkpointing.paths.graph_path
 
     def counting_fast(*a):
         counts["fast"] += 1
@@ -99,8 +100,8 @@ def paths(monkeypatch):
         counts["graph"] += 1
         return graph(*a)
 
-    monkeypatch.setattr(_recompute._Recompute, "apply", counting_fast)
-    monkeypatch.setattr(_paths, "_graph_path", counting_graph)
+    monkeypatch.setattr(recompute.Recompute, "apply", counting_fast)
+    monkeypatch.setattr(gradpatch.checkpointing.paths, "graph_path", counting_graph)
     return counts
 
 
@@ -282,7 +283,7 @@ def test_cuda_autocast_state_replayed(monkeypatch):
     seen = []
 
     def func(x):
-        seen.append((_compat.autocast_enabled("cuda"), _compat.autocast_dtype("cuda")))
+        seen.append((compat.autocast_enabled("cuda"), compat.autocast_dtype("cuda")))
         return x * 2
 
     x = torch.randn(3, requires_grad=True)

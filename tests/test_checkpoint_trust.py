@@ -25,7 +25,7 @@ from torch.testing import assert_close
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from conftest import ROOT, last_json
-from gradpatch.checkpointing import _compat
+from gradpatch.checkpointing import compat
 from gradpatch.checkpointing import checkpoint as ck
 
 torch.set_num_threads(1)
@@ -293,12 +293,12 @@ def test_patched_objects_pickle_under_gradpatch_1(tmp_path):
 # --- the torch range pyproject.toml declares ---------------------------------------------------------
 
 def test_compat_matches_torch():
-    assert _compat.sequence_nr() <= (torch.ones(1, requires_grad=True) * 2).grad_fn._sequence_nr()
-    assert not _compat.autocast_enabled("cpu")
+    assert compat.sequence_nr() <= (torch.ones(1, requires_grad=True) * 2).grad_fn._sequence_nr()
+    assert not compat.autocast_enabled("cpu")
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert _compat.autocast_enabled("cpu") and _compat.autocast_dtype("cpu") == torch.bfloat16
-    assert _compat.is_compiling() is False
-    assert torch.compile(lambda t: t + int(_compat.is_compiling()), backend="eager")(torch.zeros(1)).item() == 1
+        assert compat.autocast_enabled("cpu") and compat.autocast_dtype("cpu") == torch.bfloat16
+    assert compat.is_compiling() is False
+    assert torch.compile(lambda t: t + int(compat.is_compiling()), backend="eager")(torch.zeros(1)).item() == 1
 
 
 class Caching(nn.Module):

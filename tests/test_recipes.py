@@ -45,9 +45,9 @@ def _record(optimizer, args, kwargs):
                    for group in optimizer.param_groups for p in group["params"]])
 
 _optimizer.register_optimizer_step_post_hook(_record)
-from gradpatch.checkpointing import _recompute  # count the fixed checkpoint's recomputes in backward
-_recomputes, _backward = [], _recompute._Recompute.backward
-_recompute._Recompute.backward = staticmethod(lambda ctx, *grads: (_recomputes.append(1), _backward(ctx, *grads))[1])
+from gradpatch.checkpointing import recompute  # count the fixed checkpoint's recomputes in backward
+_recomputes, _backward = [], recompute.Recompute.backward
+recompute.Recompute.backward = staticmethod(lambda ctx, *grads: (_recomputes.append(1), _backward(ctx, *grads))[1])
 atexit.register(lambda: torch.save({"steps": _steps, "recomputes": len(_recomputes)},
                                   os.environ["RECIPE_OUT"] + os.environ.get("RANK", "")))
 torch.manual_seed(0)

@@ -153,7 +153,7 @@ def test_parameters_as_restores_absent_entries_and_keeps_an_engines_changes():
     own: the swap must neither write ``None`` back nor undo the engine's change."""
     import torch
 
-    from gradpatch.checkpointing._graph_path import parameters_as
+    from gradpatch.checkpointing.graph_path import parameters_as
 
     linear = torch.nn.Linear(2, 2)
     weight, bias = linear.weight, linear.bias
@@ -174,7 +174,7 @@ def test_modules_of_finds_bound_methods_partials_and_closures():
 
     import torch
 
-    from gradpatch.checkpointing._sharding import modules_of, sharded_inside
+    from gradpatch.checkpointing.sharding import modules_of, sharded_inside
 
     a, b, c = torch.nn.Linear(1, 1), torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)
 
@@ -207,7 +207,7 @@ def run_python_single_rank(tmp_path):
         import deepspeed  # ZeRO-3's marks are looked for only once DeepSpeed is imported
         from torch.distributed.fsdp import fully_shard
         from audioldm.latent_diffusion.attention import BasicTransformerBlock
-        from gradpatch.checkpointing._sharding import sharded_inside
+        from gradpatch.checkpointing.sharding import sharded_inside
         dist.init_process_group("gloo", init_method="file://{tmp_path / 'store'}", rank=0, world_size=1)
         block = BasicTransformerBlock(16, 2, 8)
         fully_shard(block.attn1)

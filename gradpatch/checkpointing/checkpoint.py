@@ -8,7 +8,7 @@ backward twice, runs ``func`` under ``no_grad`` in the forward but not in the re
 every output require grad. Here gradients equal those of ``func(*inputs)`` without checkpointing,
 by one of two paths per call.
 
-**Fast path** (``gradpatch.checkpointing._recompute``; every upstream call in practice). ``func`` runs as
+**Fast path** (:mod:`gradpatch.checkpointing.recompute`; every upstream call in practice). ``func`` runs as
 the caller would run it, building its graph; the graph tells which leaves the outputs depend on
 (declared or not: closures, hooks, LoRA modules that are not children) and is then dropped. One
 autograd node takes the input tensors and those leaves; backward replays CPU/CUDA RNG and autocast
@@ -22,7 +22,7 @@ Under ``create_graph=True`` it recomputes from views of the saved inputs, keepin
 connected, and notes where the parameters live, so later passes (MAML's outer backward) recompute
 with them even if fast weights were swapped into the modules since.
 
-**Graph path** (``gradpatch.checkpointing._graph_path``): torch's non-reentrant checkpoint, for calls that
+**Graph path** (``gradpatch.checkpointing.graph_path``): torch's non-reentrant checkpoint, for calls that
 read a non-leaf tensor they were not given (fast weights under ``functional_call`` or swapped into
 modules, DataParallel replicas, closure tensors computed beforehand), return an input or a view of
 one (which the caller may modify in place), return something other than a tensor or a flat tuple,
@@ -32,7 +32,7 @@ on. Its recompute puts the forward's parameters back into the module first. Call
 inside that a sharding engine manages (FSDP2 ``fully_shard``, FSDP1 ``FullyShardedDataParallel``,
 DeepSpeed ZeRO-3 parameters) take this path from their first call, without that rebinding: the
 engine's hooks must see the recompute inside the autograd graph, as they do with torch's checkpoint
-(``gradpatch.checkpointing._sharding``). A block that is itself the engine's unit, or is wrapped
+(``gradpatch.checkpointing.sharding``). A block that is itself the engine's unit, or is wrapped
 from outside (DDP, ZeRO-1/2), keeps the fast path.
 
 Trade-off: the fast path does upstream's work plus the forward's graph, which a forward must build
@@ -55,10 +55,10 @@ import torch
 from torch import Tensor
 
 from gradpatch import settings
-from gradpatch.checkpointing._compat import functorch_active
-from gradpatch.checkpointing._paths import fast_path  # noqa: F401  (for gradpatch's sampler steps)
-from gradpatch.checkpointing._paths import run as _checkpoint
-from gradpatch.checkpointing._recompute import ESCAPED  # noqa: F401  (what fast_path returns when it cannot serve)
+from gradpatch.checkpointing import paths
+from gradpatch.checkpointing.compat import functorch_active
+from gradpatch.checkpointing.paths import fast_path  # noqa: F401  (for gradpatch's sampler steps)
+from gradpatch.checkpointing.recompute import ESCAPED  # noqa: F401  (what fast_path returns when it cannot serve)
 
 __all__ = ["checkpoint", "CheckpointFunction", "mixed_checkpoint", "non_reentrant",
            "replace_checkpoint", "replace_checkpoint_function", "replace_mixed_checkpoint",
@@ -91,15 +91,15 @@ def checkpoint(func: Callable[..., Any], inputs: Sequence[Any], params: Iterable
         Gradients, also through ``create_graph=True`` and a second backward after
         ``retain_graph=True``, equal those of ``func(*inputs)`` without checkpointing.
     """
-    policy = settings.checkpoint_policy
-    if policy == "never" or not (flag or policy == "always") or not torch.is_grad_enabled() \
+    mode = settings.checkpoint_policy
+    if mode == "never" or not (flag or mode == "always") or not torch.is_grad_enabled() \
             or functorch_active():
         return func(*inputs)
-    if policy[0] == "b":  # "budget:<size>"
-        from gradpatch.checkpointing import budget as checkpoint_budget
+    if mode[0] == "b":  # "budget:<size>"
+        from gradpatch.checkpointing.budget import policy
 
-        return checkpoint_budget.run(func, tuple(inputs), None, policy)
-    return _checkpoint(func, tuple(inputs), None)
+        return policy.run(func, tuple(inputs), None, mode)
+    return paths.run(func, tuple(inputs), None)
 
 
 class CheckpointFunction:
@@ -116,15 +116,15 @@ def mixed_checkpoint(func: Callable[..., Any], inputs: Mapping[str, Any],
                      params: Iterable[Tensor], flag: bool) -> Any:
     """sgm's ``mixed_checkpoint``: :func:`checkpoint` calling ``func(**inputs)``; non-tensor values
     are passed through unchanged."""
-    policy = settings.checkpoint_policy
-    if policy == "never" or not (flag or policy == "always") or not torch.is_grad_enabled() \
+    mode = settings.checkpoint_policy
+    if mode == "never" or not (flag or mode == "always") or not torch.is_grad_enabled() \
             or functorch_active():
         return func(**inputs)
-    if policy[0] == "b":  # "budget:<size>"
-        from gradpatch.checkpointing import budget as checkpoint_budget
+    if mode[0] == "b":  # "budget:<size>"
+        from gradpatch.checkpointing.budget import policy
 
-        return checkpoint_budget.run(func, (), dict(inputs), policy)
-    return _checkpoint(func, (), dict(inputs))
+        return policy.run(func, (), dict(inputs), mode)
+    return paths.run(func, (), dict(inputs))
 
 
 def non_reentrant(torch_checkpoint: Callable[..., Any]) -> Callable[..., Any]:

@@ -24,7 +24,7 @@ from typing import Callable, NamedTuple, Sequence
 import torch
 
 from gradpatch import settings
-from gradpatch.checkpointing import budget as checkpoint_budget
+from gradpatch.checkpointing import budget
 
 
 class Point(NamedTuple):
@@ -81,7 +81,7 @@ def tradeoff(step: Callable[[], object], fractions: Sequence[float] = (0.25, 0.5
     goes to stderr unless ``progress=False``. The policy in force before is restored."""
     cuda = (device or ("cuda" if torch.cuda.is_available() and torch.cuda.is_initialized()
                        else "cpu")) == "cuda"
-    plan_steps = checkpoint_budget.TIMING_CALLS + 1
+    plan_steps = budget.TIMING_CALLS + 1
     total = (2 + len(fractions)) * (plan_steps + repeats + 1)
     bar = _Bar(total, progress)
     measured: dict[str, tuple[int, float]] = {}
@@ -104,11 +104,11 @@ def tradeoff(step: Callable[[], object], fractions: Sequence[float] = (0.25, 0.5
         measure("never")
         gap = max(measured["never"][0] - measured["respect"][0], 0)
         for f in fractions:
-            checkpoint_budget.reset()
+            budget.reset()
             measure(f"budget:{int(f * gap)}")
     finally:
         bar.close()
-        checkpoint_budget.reset()
+        budget.reset()
     order = ["respect", *[p for p in measured if p.startswith("budget:")], "never"]
     base_peak, base_time = measured["respect"]
     return Tradeoff(Point(p, measured[p][0], measured[p][0] - base_peak, measured[p][1],

@@ -146,7 +146,7 @@ def report_line() -> str:
     policy = settings.checkpoint_policy
     if not settings.is_budget(policy):
         return ""
-    planner = sys.modules.get("gradpatch.checkpointing.budget")
+    planner = sys.modules.get("gradpatch.checkpointing.budget.policy")
     if planner is None:
         return f"checkpoint policy {policy}: no checkpointed block has run yet"
     return planner.checkpoint_plan().summary()

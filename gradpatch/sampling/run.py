@@ -55,7 +55,7 @@ from typing import Any, Callable, ContextManager, Iterator, TypeVar
 import torch
 import torch.utils.checkpoint
 
-from gradpatch.checkpointing._compat import sequence_nr
+from gradpatch.checkpointing.compat import sequence_nr
 from gradpatch.sampling.options import SamplingOptions
 from gradpatch.sampling.steps import checkpoint as step_checkpoint
 from gradpatch.sampling.steps.regions import Regions, tracking

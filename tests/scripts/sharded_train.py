@@ -31,20 +31,20 @@ PATHS = {"fast": 0, "graph": 0}  # checkpoint calls per path of gradpatch's fix,
 
 def _count_paths() -> None:
     """Count the calls that reach gradpatch's fast path (a node of its own) and its graph path."""
-    from gradpatch.checkpointing import _paths
+    from gradpatch.checkpointing import paths
 
-    attempt, graph_path = _paths.attempt, _paths._graph_path
+    attempt, graph_path = paths.attempt, paths.graph_path
 
     def counting_attempt(*args, **kwargs):
         out = attempt(*args, **kwargs)
-        PATHS["fast"] += out is not _paths.ESCAPED
+        PATHS["fast"] += out is not paths.ESCAPED
         return out
 
     def counting_graph_path(*args, **kwargs):
         PATHS["graph"] += 1
         return graph_path(*args, **kwargs)
 
-    _paths.attempt, _paths._graph_path = counting_attempt, counting_graph_path
+    paths.attempt, paths.graph_path = counting_attempt, counting_graph_path
 
 
 def run(cell: dict, rank: int, world: int) -> list[dict[str, torch.Tensor]]:

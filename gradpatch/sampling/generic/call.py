@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from gradpatch.checkpointing._compat import is_compiling
+from gradpatch.checkpointing.compat import is_compiling
 from gradpatch.errors import NotDifferentiableError
 from gradpatch.sampling.contract import sampler_entry
 from gradpatch.sampling.generic import gradoff

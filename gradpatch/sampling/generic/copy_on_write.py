@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from gradpatch.checkpointing._compat import setitem_to_modes
+from gradpatch.checkpointing.compat import setitem_to_modes
 from gradpatch.errors import NotDifferentiableError
 from gradpatch.sampling import run as sampling_run
 

@@ -47,7 +47,7 @@ import torch.utils.checkpoint
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from gradpatch.checkpointing._compat import autocast_dtype, autocast_enabled
+from gradpatch.checkpointing.compat import autocast_dtype, autocast_enabled
 from gradpatch.checkpointing.checkpoint import ESCAPED, fast_path
 
 T = TypeVar("T")
@@ -275,7 +275,7 @@ def _inner_plain() -> Any:
 def measured(fn: Callable[..., T], *args: Any, **kwargs: Any) -> tuple[T, int]:
     """The evaluation recomputed in backward (the hook path of :func:`recomputed`), and the bytes keeping
     its graph would have added: those of the storages it saved for backward that were freed when it
-    returned (as :mod:`gradpatch.checkpointing._measure` counts a block's own bytes). Storages still
+    returned (as :mod:`gradpatch.checkpointing.budget.measure` counts a block's own bytes). Storages still
     alive (the inputs, parameters, the output) cost nothing more when kept, and each storage counts once."""
     frame = _Frame(_Generators.wrap(fn, args, kwargs), args, kwargs)
     frame.seen = {}

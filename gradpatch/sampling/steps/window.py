@@ -34,7 +34,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
-from gradpatch.checkpointing._compat import sequence_nr
+from gradpatch.checkpointing.compat import sequence_nr
 
 from gradpatch.sampling.values import tensors as _all_tensors
 

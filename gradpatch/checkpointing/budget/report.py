@@ -1,0 +1,83 @@
+"""The report of the ``budget:<size>`` plan (torch-free): the :class:`Plan` that
+:func:`gradpatch.checkpoint_plan` returns, a tuple of :class:`PlanEntry` that prints as a table."""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+
+class PlanEntry(NamedTuple):
+    """One planned block: its name (module class and method, or path with ``model=``), the bytes
+    keeping its activations costs (for a kept block, what it adds to the plan: a storage that kept
+    blocks share counts in the first; for a recomputed one, what keeping it alone would add) and the
+    seconds recomputing it costs (its recompute in backward and the checkpoint's own work in the
+    forward: what keeping it saves), both per step, over all its calls; whether the plan recomputes
+    it; whether it is measured; ``why`` it is not planned, if it is not. ``None`` figures: not
+    measured yet, or never measurable (a block torch's own checkpoint runs at once: always recomputed,
+    and ``why`` says what sent it there)."""
+
+    name: str
+    bytes: int | None
+    recompute_seconds: float | None
+    recomputed: bool
+    measured: bool = True
+    why: str | None = None
+
+
+class Plan(tuple):  # type: ignore[type-arg]
+    """A tuple of :class:`PlanEntry`, in the order the blocks first ran, that prints as a table."""
+
+    policy: str
+    budget: int | None
+
+    @property
+    def kept_bytes(self) -> int:
+        """What the kept blocks keep together beyond recomputing all (storages they share counted
+        once): the estimate of the extra bytes alive after the forward."""
+        return sum(e.bytes or 0 for e in self if not e.recomputed)
+
+    @property
+    def saved_seconds(self) -> float:
+        return sum(e.recompute_seconds or 0.0 for e in self if not e.recomputed)
+
+    @property
+    def complete(self) -> bool:
+        return bool(self) and all(e.measured for e in self)
+
+    def summary(self) -> str:
+        head = f"checkpoint policy {self.policy}"
+        if not self:
+            return f"{head}: no checkpointed block has run yet"
+        kept = sum(not e.recomputed for e in self)
+        if not self.complete:
+            return (f"{head}: measuring ({sum(e.measured for e in self)} of "
+                    f"{len(self)} blocks measured); every block is recomputed meanwhile")
+        return (f"{head}: {kept} of {len(self)} blocks kept, {_mib(self.kept_bytes)} of "
+                f"{_mib(self.budget or 0)}, saving about {self.saved_seconds * 1e3:.1f} ms a step"
+                f"{self._unplanned()}")
+
+    def _unplanned(self) -> str:
+        """Why blocks are not planned: ``""`` if all are."""
+        reasons = [e.why for e in self if e.why]
+        if not reasons:
+            return ""
+        distinct = list(dict.fromkeys(reasons))
+        more = f" (and {len(distinct) - 1} other reasons)" if len(distinct) > 1 else ""
+        return (f"; {len(reasons)} of {len(self)} blocks not planned, always recomputed through torch's "
+                f"checkpoint, whose recompute the planner cannot measure: {distinct[0]}{more}")
+
+    def __str__(self) -> str:
+        width = max(len(e.name) for e in self) if self else 5
+        rows = [f"{'block':{width}} {'kept bytes':>12} {'recompute':>10}  plan"]
+        for e in self:
+            size = "?" if e.bytes is None else _mib(e.bytes)
+            time_ = "?" if e.recompute_seconds is None else f"{e.recompute_seconds * 1e3:.2f}ms"
+            rows.append(f"{e.name:{width}} {size:>12} {time_:>10}  "
+                        f"{'keep' if not e.recomputed else 'recompute (not planned)' if e.why else 'recompute'}")
+        return "\n".join([self.summary(), *rows])
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+def _mib(size: int) -> str:
+    return f"{size / 2**20:.2f} MiB"
