@@ -77,7 +77,7 @@ def importorskip(modname: str, minversion: str | None = None, reason: str | None
     __tracebackhide__ = True
     try:
         return _importorskip(modname, minversion, reason, **kwargs)
-    except pytest.skip.Exception as skipped:
+    except pytest.skip.Exception:
         if reason is None or modname in sys.modules:  # named already, or too old (not missing)
             raise
         raise pytest.skip.Exception(f"{reason} (could not import {modname!r})", allow_module_level=True) from None

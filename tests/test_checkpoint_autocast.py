@@ -16,7 +16,6 @@ from torch.testing import assert_close
 
 import gradpatch
 from gradpatch.checkpointing import budget, paths
-from gradpatch.checkpointing import checkpoint as fixed
 from test_checkpoint_upstream import TARGETS, assert_grads_equal, build, freeze, install
 
 AUDIOLDM = TARGETS["audioldm"]

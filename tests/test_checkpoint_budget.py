@@ -270,7 +270,7 @@ def test_report_and_doctor_show_the_plan(unet, capsys):
         assert "checkpoint policy budget:1GiB" in str(gradpatch.report())
         for _ in range(budget.TIMING_CALLS + 1):
             step(unet, AUDIOLDM, x)
-        line = report_line()
+        line = registry.report_line()
         assert line.startswith("checkpoint policy budget:1GiB: 12 of 12 blocks kept"), line
         assert line in str(gradpatch.report())
         with gradpatch.grad_doctor(unet):
