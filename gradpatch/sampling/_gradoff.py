@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dis
+import functools
 import sys
 import threading
 from contextvars import ContextVar
@@ -39,10 +40,13 @@ from gradpatch.errors import NotDifferentiableError
 
 class Call:
     """One active call: the target's code objects (its frames are the sampler's, also when it is a
-    ``forward``) and a name for messages."""
+    ``forward``), the code objects of the callables passed in (the caller's: honoured), the module
+    classes whose own ``train``/``eval`` the sampler's code must not run, and a name for messages."""
 
-    def __init__(self, where: str, codes: frozenset[CodeType]) -> None:
-        self.where, self.codes = where, codes
+    def __init__(self, where: str, codes: frozenset[CodeType], user: frozenset[CodeType] = frozenset(),
+                 classes: frozenset[type] = frozenset()) -> None:
+        self.where, self.codes, self.user, self.classes = where, codes, user, classes
+        self.honoured: list[str] = []  # where the caller's callbacks entered a grad-off manager
 
 
 _active: ContextVar[Call | None] = ContextVar("gradpatch_differentiable_call", default=None)
@@ -68,15 +72,26 @@ def _network(frame: FrameType, call: Call) -> bool:
     return frame.f_back is None or frame.f_back.f_code not in _DECORATORS
 
 
-def in_sampler(frame: FrameType | None, call: Call) -> bool:
-    """Whether ``frame`` runs the sampler's code: the boundary is above it and no network between."""
+def _owner(frame: FrameType | None, call: Call) -> str:
+    """Whose code ``frame`` runs: ``"sampler"`` (the boundary is above it, with no network and no code of
+    the caller's between), ``"user"`` (a callable the caller passed in is between) or ``"other"``."""
     while frame is not None:
-        if frame.f_code in BOUNDARY:
-            return True
+        code = frame.f_code
+        if code in BOUNDARY:
+            return "sampler"
+        if code in call.user or (code in _DECORATORS and getattr(frame.f_locals.get("func"), "__code__", None)
+                                 in call.user):
+            return "user"
         if _network(frame, call):
-            return False
+            return "other"
         frame = frame.f_back
-    return False
+    return "other"
+
+
+def in_sampler(frame: FrameType | None, call: Call) -> bool:
+    """Whether ``frame`` runs the sampler's code: the boundary is above it and no network, and no
+    callable the caller passed in, between."""
+    return _owner(frame, call) == "sampler"
 
 
 _opcodes: dict[CodeType, tuple[dict[int, int], list[str]]] = {}
@@ -110,7 +125,12 @@ def _lift(frame: FrameType, what: str, *, check_fresh: bool = True) -> bool:
     module = getattr(owner, "__module__", None) if decorated else frame.f_globals.get("__name__")
     if str(module or "").partition(".")[0] in ("torch", "gradpatch"):
         return False
-    if not in_sampler(frame, call):
+    whose = _owner(frame, call)
+    if whose == "user":
+        code = getattr(owner, "__code__", None)
+        call.honoured.append(f"{code.co_filename}:{code.co_firstlineno} (@{what} on {code.co_qualname})"
+                             if decorated and code is not None else f"{_where(frame)} ({what})")
+    if whose != "sampler":
         return False
     if check_fresh and not decorated and not _fresh(frame):
         raise NotDifferentiableError(
@@ -189,6 +209,39 @@ _PATCHES = [(grad_mode.no_grad, "__enter__", _no_grad_enter), (grad_mode.no_grad
             (contextlib._GeneratorContextManager, "__enter__", _gcm_enter)]
 _lock = threading.Lock()
 _users = 0
+_overrides: dict[tuple[type, str], list[Any]] = {}  # (class, "train"/"eval") -> [users, original, ours]
+
+
+def _guarded(original: Any) -> Any:
+    """A module class's own ``train``/``eval``, a no-op when the sampler's code calls it (its side
+    effects, a LoRA merge, never run), the original everywhere else."""
+
+    @functools.wraps(original)
+    def guarded(self: Any, *args: Any, **kwargs: Any) -> Any:
+        call = _active.get()
+        if call is not None and in_sampler(sys._getframe(1), call):
+            return self
+        return original(self, *args, **kwargs)
+
+    return guarded
+
+
+def _guard(classes: frozenset[type], delta: int) -> None:  # under _lock
+    for owner in classes:
+        for name in ("train", "eval"):
+            if name not in vars(owner) and (owner, name) not in _overrides:
+                continue
+            entry = _overrides.get((owner, name))
+            if entry is None and delta > 0:
+                entry = _overrides[(owner, name)] = [0, vars(owner)[name], _guarded(vars(owner)[name])]
+                setattr(owner, name, entry[2])
+            if entry is None:
+                continue
+            entry[0] += delta
+            if entry[0] == 0:
+                del _overrides[(owner, name)]
+                if vars(owner).get(name) is entry[2]:
+                    setattr(owner, name, entry[1])
 
 
 @contextlib.contextmanager
@@ -201,12 +254,14 @@ def active(call: Call) -> Iterator[None]:
                 _ORIGINAL[key] = vars(owner)[name]  # whatever is there now (another library's, too)
                 setattr(owner, name, ours)
         _users += 1
+        _guard(call.classes, 1)
     token = _active.set(call)
     try:
         yield
     finally:
         _active.reset(token)
         with _lock:
+            _guard(call.classes, -1)
             _users -= 1
             if _users == 0:
                 for (owner, name, ours), key in zip(_PATCHES, _ORIGINAL):

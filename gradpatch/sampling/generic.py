@@ -24,7 +24,8 @@ import torch
 from gradpatch.errors import NotDifferentiableError
 from gradpatch.sampling import _gradoff
 from gradpatch.sampling._inplace import CopyOnWrite
-from gradpatch.sampling._values import clean as _clean, codes as _codes, describe as _describe, tensors as _tensors
+from gradpatch.sampling._values import clean as _clean, codes as _codes, describe as _describe, tensors as _tensors, \
+    overriding_classes as _overriding, user_codes as _user_codes
 from gradpatch.sampling.options import note_cached_call
 from gradpatch.sampling.ode_sampler import stepped_odeint
 from gradpatch.sampling.runner import SamplingRun, _shadow, _with_keywords, run_step, sampling_options
@@ -190,7 +191,8 @@ def call(sampler: Sampler, original: Callable[..., Any], args: tuple, kwargs: di
     cow = CopyOnWrite()
     run = _Run(sampler, total, cow)
     state = SamplingRun(options)
-    live = _gradoff.Call(where, sampler.codes)
+    live = _gradoff.Call(where, sampler.codes, _user_codes([list(args), kwargs], owner) - sampler.codes,
+                         _overriding([owner, sampler.step, list(args), kwargs]))
     state.scopes.append(functools.partial(_gradoff.active, live))
     grad = torch.is_grad_enabled()
     wanted = grad and any(t.requires_grad for t in _tensors([owner, sampler.step, list(args), kwargs]))
@@ -222,6 +224,12 @@ def call(sampler: Sampler, original: Callable[..., Any], args: tuple, kwargs: di
     if options.checkpoint_steps and state.evaluations == 0:
         raise RuntimeError(f"gradpatch.differentiable({where}): checkpoint_steps had no effect: step was never called")
     if wanted and not any(t.requires_grad for t in _tensors(out)):
+        if live.honoured:
+            raise NotDifferentiableError(
+                f"gradpatch.differentiable({where}) returned {_describe(out)}: grad-off blocks of code passed in "
+                f"as an argument (yours: honoured, as without gradpatch) cut it, at {', '.join(live.honoured[:3])}. "
+                "Drop that no_grad from the callback, or pass a callable whose no_grad must be lifted through "
+                "gradpatch.differentiable itself")
         raise NotDifferentiableError(f"gradpatch.differentiable({where}) returned {_describe(out)}; gradients "
                                      "cannot flow through it. Return the tensor itself (convert it afterwards)")
     return _clean(out)
@@ -261,11 +269,12 @@ def make(fn: Callable[..., Any], step: Any = None, steps: Any = None, *, cache: 
                        **kwargs: Any) -> Any:
         flag = default if cache is _UNSET else cache
         sampling_options(flag, grad_steps, checkpoint_steps)  # validates, as every patched sampler does
-        if flag or (cache is _UNSET and _gradoff._active.get() is not None and grad_steps is None
-                    and not checkpoint_steps):
+        outer = _gradoff._active.get()
+        if flag or (cache is _UNSET and outer is not None and grad_steps is None and not checkpoint_steps
+                    and _gradoff.in_sampler(sys._getframe(1), outer)):
             if flag:
                 note_cached_call(where, owner if owner is not None else (args[0] if args else None))
-            return fn(*args, **kwargs)  # upstream's call (inside another call: its constructs are inert already)
+            return fn(*args, **kwargs)  # upstream's call (inside another call's sampler code: inert already)
         this = owner if owner is not None else (args[0] if args and ("self" in (
             sampler.signature.parameters if sampler.signature else ()) or _method_of(differentiable, args[0]))
             else None)
@@ -276,6 +285,7 @@ def make(fn: Callable[..., Any], step: Any = None, steps: Any = None, *, cache: 
             parameters=[p.replace(default=default) if p.name == "cache" else p
                         for p in _with_keywords(sampler.signature).parameters.values()])
     differentiable.__wrapped__ = fn  # type: ignore[attr-defined]
+    differentiable.__gradpatch_differentiable__ = True  # type: ignore[attr-defined]
     return differentiable
 
 
