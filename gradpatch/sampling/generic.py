@@ -16,6 +16,7 @@ import functools
 import inspect
 import sys
 import types
+import weakref
 from contextvars import ContextVar
 from typing import Any, Callable, Iterator
 
@@ -203,10 +204,29 @@ def call(sampler: Sampler, original: Callable[..., Any], args: tuple, kwargs: di
             stack.enter_context(state.active())
             token = _current.set(run)
             stack.callback(_current.reset, token)
-            stack.enter_context(cow.hooks())
+            if torch._C._autograd._saved_tensors_hooks_is_enabled():  # off under torch.func.grad and
+                stack.enter_context(cow.hooks())  # disable_saved_tensors_hooks: no copy on write (torch's check)
             stack.enter_context(cow)
             stack.enter_context(torch.set_grad_enabled(grad))  # puts the caller's mode back (grad_steps cuts)
             yield
+
+    def finish(out: Any) -> Any:
+        if total is not None and run.count != total:
+            raise RuntimeError(f"gradpatch.differentiable({where}): grad_steps: step was called {run.count} times, but "
+                               f"steps says {total}; the last K steps cannot be told apart. Pass as step what one "
+                               "sampler step calls once, or use checkpoint_steps")
+        if options.checkpoint_steps and state.evaluations == 0:
+            raise RuntimeError(f"gradpatch.differentiable({where}): checkpoint_steps had no effect: step was never called")
+        if wanted and not any(t.requires_grad for t in _tensors(out)):
+            if live.honoured:
+                raise NotDifferentiableError(
+                    f"gradpatch.differentiable({where}) returned {_describe(out)}: grad-off blocks of code passed in "
+                    f"as an argument (yours: honoured, as without gradpatch) cut it, at {', '.join(live.honoured[:3])}. "
+                    "Drop that no_grad from the callback, or pass a callable whose no_grad must be lifted through "
+                    "gradpatch.differentiable itself")
+            raise NotDifferentiableError(f"gradpatch.differentiable({where}) returned {_describe(out)}; gradients "
+                                         "cannot flow through it. Return the tensor itself (convert it afterwards)")
+        return _clean(out)
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(_modes_kept([owner, sampler.step if not isinstance(sampler.step, str) else None]))
@@ -217,22 +237,43 @@ def call(sampler: Sampler, original: Callable[..., Any], args: tuple, kwargs: di
             out = _start(original, args, kwargs)
         if inspect.isgenerator(out):
             return _generator(out, entered, stack.pop_all())
-    if total is not None and run.count != total:
-        raise RuntimeError(f"gradpatch.differentiable({where}): grad_steps: step was called {run.count} times, but "
-                           f"steps says {total}; the last K steps cannot be told apart. Pass as step what one "
-                           "sampler step calls once, or use checkpoint_steps")
-    if options.checkpoint_steps and state.evaluations == 0:
-        raise RuntimeError(f"gradpatch.differentiable({where}): checkpoint_steps had no effect: step was never called")
-    if wanted and not any(t.requires_grad for t in _tensors(out)):
-        if live.honoured:
-            raise NotDifferentiableError(
-                f"gradpatch.differentiable({where}) returned {_describe(out)}: grad-off blocks of code passed in "
-                f"as an argument (yours: honoured, as without gradpatch) cut it, at {', '.join(live.honoured[:3])}. "
-                "Drop that no_grad from the callback, or pass a callable whose no_grad must be lifted through "
-                "gradpatch.differentiable itself")
-        raise NotDifferentiableError(f"gradpatch.differentiable({where}) returned {_describe(out)}; gradients "
-                                     "cannot flow through it. Return the tensor itself (convert it afterwards)")
-    return _clean(out)
+        if inspect.iscoroutine(out):  # an async def sampler: each resumption inside the call's context
+            return _awaited(out, entered, stack.pop_all(), finish)
+
+    return finish(out)
+
+
+def _awaited(coro: Any, entered: Callable[[], Any], stack: contextlib.ExitStack,
+             finish: Callable[[Any], Any]) -> Any:
+    """A coroutine running the sampler's coroutine ``coro``, each resumption inside the call's context
+    (other tasks run in their own between awaits); its result is checked like a plain call's."""
+
+    class Resumed:
+        def __await__(self) -> Any:
+            with stack:
+                how, value = "send", None
+                while True:
+                    try:
+                        with entered():
+                            item = _resume(coro, how, value)
+                    except StopIteration as stop:
+                        result = stop.value
+                        break
+                    try:
+                        how, value = "send", (yield item)  # the event loop's future, passed through
+                    except GeneratorExit:
+                        coro.close()
+                        raise
+                    except BaseException as error:  # noqa: BLE001 - a cancellation, passed on to the sampler
+                        how, value = "throw", error
+            return finish(result)
+
+    async def awaited() -> Any:
+        return await Resumed()
+
+    waiting = awaited()
+    weakref.finalize(waiting, stack.close)  # never awaited: the shadows go all the same
+    return waiting
 
 
 def _generator(gen: Any, entered: Callable[[], Any], stack: contextlib.ExitStack) -> Iterator[Any]:
