@@ -23,7 +23,9 @@ lock); in every other context the patched methods run torch's own code.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
+import contextvars
 import dis
 import functools
 import sys
@@ -147,6 +149,7 @@ _ORIGINAL = {
     "inference_mode.__exit__": grad_mode.inference_mode.__exit__,
     "set_grad_enabled.__init__": grad_mode.set_grad_enabled.__init__,
     "train": torch.nn.Module.train, "gcm.__enter__": contextlib._GeneratorContextManager.__enter__,
+    "submit": concurrent.futures.ThreadPoolExecutor.submit,
 }
 
 
@@ -202,11 +205,26 @@ def _gcm_enter(self: Any) -> Any:
     return _ORIGINAL["gcm.__enter__"](self)
 
 
+def _submit(self: Any, fn: Any, /, *args: Any, **kwargs: Any) -> Any:
+    call = _active.get()
+    if call is not None and in_sampler(sys._getframe(1), call):  # the sampler's work, in the call's context
+        context = contextvars.copy_context()
+        return _ORIGINAL["submit"](self, context.run, _worker, torch.is_grad_enabled(), fn, args, kwargs)
+    return _ORIGINAL["submit"](self, fn, *args, **kwargs)
+
+
+def _worker(grad: bool, fn: Any, args: tuple, kwargs: dict) -> Any:  # a boundary: the pool thread's share
+    with torch.set_grad_enabled(grad):  # the submitting thread's mode (a new thread's own is on)
+        return fn(*args, **kwargs)
+
+
+BOUNDARY.add(_worker.__code__)
 _PATCHES = [(grad_mode.no_grad, "__enter__", _no_grad_enter), (grad_mode.no_grad, "__exit__", _no_grad_exit),
             (grad_mode.inference_mode, "__enter__", _inference_enter),
             (grad_mode.inference_mode, "__exit__", _inference_exit),
             (grad_mode.set_grad_enabled, "__init__", _set_grad_enabled_init), (torch.nn.Module, "train", _train),
-            (contextlib._GeneratorContextManager, "__enter__", _gcm_enter)]
+            (contextlib._GeneratorContextManager, "__enter__", _gcm_enter),
+            (concurrent.futures.ThreadPoolExecutor, "submit", _submit)]
 _lock = threading.Lock()
 _users = 0
 _overrides: dict[tuple[type, str], list[Any]] = {}  # (class, "train"/"eval") -> [users, original, ours]

@@ -89,7 +89,7 @@ def user_codes(values: Any, owner: Any, depth: int = 0) -> frozenset[types.CodeT
         for value in values.values():
             found |= user_codes(value, owner, depth + 1)
     elif isinstance(values, functools.partial):
-        found |= user_codes([values.func, list(values.args), dict(values.keywords)], owner, depth + 1)
+        found |= user_codes(values.func, owner, depth) | user_codes([*values.args, *values.keywords.values()], owner, depth)
     elif callable(values) and not isinstance(values, (type, torch.nn.Module)):
         fn = values
         if inspect.ismethod(fn):
