@@ -5,18 +5,24 @@ entered them. ``torch.no_grad()``, ``torch.inference_mode()`` (mode True) and
 ``torch.set_grad_enabled(False)`` do nothing when they are entered by *the sampler's code*: a
 decorator of any function the call reaches (torch's ``decorate_context``/``generator_context``, also
 behind wrappers that are not ``functools.wraps``-based), or a ``with`` block in a frame that is not
-inside a network. A network is a frame running ``forward`` of an ``nn.Module`` that is neither the
-target's own code nor itself decorated grad-off (Matcha's ``CFM.forward`` is a sampler): inside one,
-everything runs as written. torch's and gradpatch's own code are never touched. The frames are read
-up to the call's boundary (:data:`BOUNDARY` code objects), so a checkpoint recompute or a generator
-resumed by the caller is classified like the forward call.
+inside a network nor inside the caller's code. A network is a frame running ``forward`` of an
+``nn.Module`` that is neither the target's own code nor itself decorated grad-off (Matcha's
+``CFM.forward`` is a sampler): inside one, everything runs as written. The caller's code is a callable
+passed in as an argument (:attr:`Call.user`: callbacks, ``denoised_fn``, ``cond_fn``): inside it, and in
+whatever it calls, the caller's grad-off constructs are honoured (recorded in :attr:`Call.honoured` for
+messages). torch's and gradpatch's own code are never touched. The frames are read up to the call's
+boundary (:data:`BOUNDARY` code objects), so a checkpoint recompute, a generator or coroutine resumed
+by the caller and a task the sampler's code submits to a ``concurrent.futures.ThreadPoolExecutor``
+(run in a copy of the call's context, with the submitting thread's grad mode) are classified like the
+forward call. Threads started otherwise have no call in their context: torch's own behaviour there.
 
 Refused with :class:`~gradpatch.errors.NotDifferentiableError` (message: what and where): a grad-off
 manager held in a variable and entered by the sampler (``ctx = torch.no_grad(); with ctx:``: it may be
 shared with code that means it), and a ``@contextmanager`` whose name holds ``ema`` (``ema_scope``: the
 samples would come from EMA weights swapped in with ``.data`` copies, not from the parameters being
 trained). ``nn.Module.train`` (so ``eval()``) called by the sampler's code is a no-op: the caller's
-train/eval modes hold during the call.
+train/eval modes hold during the call; so are the own ``train``/``eval`` of the module classes in
+:attr:`Call.classes` (a LoRA layer's merge never runs).
 
 The managers are patched at class level while at least one call is active (reference counted, under a
 lock); in every other context the patched methods run torch's own code.

@@ -72,6 +72,14 @@ def describe(out: Any) -> str:
     return f"{', '.join(sorted(kinds))} with no tensor that carries a graph (detached, or converted)"
 
 
+def cut_by_callbacks(where: str, out: Any, honoured: list[str]) -> str:
+    """The message for a result with no graph after grad-off blocks of code passed in were honoured."""
+    return (f"gradpatch.differentiable({where}) returned {describe(out)}: grad-off blocks of code passed in as an "
+            f"argument (yours: honoured, as without gradpatch) cut it, at {', '.join(honoured[:3])}. Drop that "
+            "no_grad from the callback, or pass a callable whose no_grad must be lifted through "
+            "gradpatch.differentiable itself")
+
+
 def user_codes(values: Any, owner: Any, depth: int = 0) -> frozenset[types.CodeType]:
     """The code objects of the callables passed in ``values`` (arguments: also inside tuples, lists,
     dicts and ``functools.partial``, three levels down), through ``__wrapped__``: the caller's code

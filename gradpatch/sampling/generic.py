@@ -5,7 +5,9 @@ its context only: the sampler's grad-off constructs inert (:mod:`gradpatch.sampl
 writes copy-on-write (:mod:`gradpatch.sampling._inplace`), the ``step`` routed through
 :func:`~gradpatch.sampling.runner.run_step` (counted: call ``i`` is step ``i``) and the train/eval flags
 of the modules involved put back on exit. A generator is resumed the same way each time, and the
-caller's grad mode holds at every ``yield``. Inference tensors in what it returns or yields are cloned
+caller's grad mode holds at every ``yield``; so is an ``async def`` sampler's coroutine
+(:mod:`gradpatch.sampling._coroutine`). Callables passed in as arguments are the caller's code: their
+grad-off constructs are honoured. Inference tensors in what it returns or yields are cloned
 into normal ones. If gradients could flow (grad on, something requires grad) but nothing returned
 carries a graph, it raises :class:`~gradpatch.errors.NotDifferentiableError` instead of returning it.
 """
@@ -16,7 +18,6 @@ import functools
 import inspect
 import sys
 import types
-import weakref
 from contextvars import ContextVar
 from typing import Any, Callable, Iterator
 
@@ -24,9 +25,10 @@ import torch
 
 from gradpatch.errors import NotDifferentiableError
 from gradpatch.sampling import _gradoff
+from gradpatch.sampling._coroutine import awaited
 from gradpatch.sampling._inplace import CopyOnWrite
-from gradpatch.sampling._values import clean as _clean, codes as _codes, describe as _describe, tensors as _tensors, \
-    overriding_classes as _overriding, user_codes as _user_codes
+from gradpatch.sampling._values import clean as _clean, codes as _codes, cut_by_callbacks as _cut_by_callbacks, \
+    describe as _describe, overriding_classes as _overriding, tensors as _tensors, user_codes as _user_codes
 from gradpatch.sampling.options import note_cached_call
 from gradpatch.sampling.ode_sampler import stepped_odeint
 from gradpatch.sampling.runner import SamplingRun, _shadow, _with_keywords, run_step, sampling_options
@@ -219,11 +221,7 @@ def call(sampler: Sampler, original: Callable[..., Any], args: tuple, kwargs: di
             raise RuntimeError(f"gradpatch.differentiable({where}): checkpoint_steps had no effect: step was never called")
         if wanted and not any(t.requires_grad for t in _tensors(out)):
             if live.honoured:
-                raise NotDifferentiableError(
-                    f"gradpatch.differentiable({where}) returned {_describe(out)}: grad-off blocks of code passed in "
-                    f"as an argument (yours: honoured, as without gradpatch) cut it, at {', '.join(live.honoured[:3])}. "
-                    "Drop that no_grad from the callback, or pass a callable whose no_grad must be lifted through "
-                    "gradpatch.differentiable itself")
+                raise NotDifferentiableError(_cut_by_callbacks(where, out, live.honoured))
             raise NotDifferentiableError(f"gradpatch.differentiable({where}) returned {_describe(out)}; gradients "
                                          "cannot flow through it. Return the tensor itself (convert it afterwards)")
         return _clean(out)
@@ -238,42 +236,9 @@ def call(sampler: Sampler, original: Callable[..., Any], args: tuple, kwargs: di
         if inspect.isgenerator(out):
             return _generator(out, entered, stack.pop_all())
         if inspect.iscoroutine(out):  # an async def sampler: each resumption inside the call's context
-            return _awaited(out, entered, stack.pop_all(), finish)
+            return awaited(out, entered, stack.pop_all(), finish)
 
     return finish(out)
-
-
-def _awaited(coro: Any, entered: Callable[[], Any], stack: contextlib.ExitStack,
-             finish: Callable[[Any], Any]) -> Any:
-    """A coroutine running the sampler's coroutine ``coro``, each resumption inside the call's context
-    (other tasks run in their own between awaits); its result is checked like a plain call's."""
-
-    class Resumed:
-        def __await__(self) -> Any:
-            with stack:
-                how, value = "send", None
-                while True:
-                    try:
-                        with entered():
-                            item = _resume(coro, how, value)
-                    except StopIteration as stop:
-                        result = stop.value
-                        break
-                    try:
-                        how, value = "send", (yield item)  # the event loop's future, passed through
-                    except GeneratorExit:
-                        coro.close()
-                        raise
-                    except BaseException as error:  # noqa: BLE001 - a cancellation, passed on to the sampler
-                        how, value = "throw", error
-            return finish(result)
-
-    async def awaited() -> Any:
-        return await Resumed()
-
-    waiting = awaited()
-    weakref.finalize(waiting, stack.close)  # never awaited: the shadows go all the same
-    return waiting
 
 
 def _generator(gen: Any, entered: Callable[[], Any], stack: contextlib.ExitStack) -> Iterator[Any]:
