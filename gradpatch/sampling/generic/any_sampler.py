@@ -30,20 +30,36 @@ the patch's record. This is also how an unknown version of a catalogued target i
 
 **During a** ``cache=False`` **call, and only in its context** (thread, task):
 
-* Gradients flow through every grad-disabling construct *of the sampler's code*: ``no_grad`` and
-  ``inference_mode`` decorators at every level the call reaches (also behind decorators that are not
-  ``functools.wraps``-based, such as imagen's ``eval_decorator``), in-body ``with`` blocks and
+* Gradients flow through every grad-disabling construct *the sampler's code* enters (lifted): ``no_grad``
+  and ``inference_mode`` decorators at every level the call reaches (also behind decorators that are
+  not ``functools.wraps``-based, such as imagen's ``eval_decorator``), in-body ``with`` blocks and
   ``torch.set_grad_enabled(False)``, generators that ``yield`` inside a grad-off block (the caller's
-  code between items runs in the caller's own grad mode). Nothing is rewritten: torch's managers do
-  nothing when the sampler's code enters them (:mod:`gradpatch.sampling.generic.gradoff`).
-* The networks it calls run as written: inside a module's ``forward`` a ``no_grad`` (a deliberate
-  stop-gradient, a renormalisation) stays. A ``forward`` that is itself decorated grad-off is treated
-  as sampler code (Matcha's ``CFM.forward`` is a sampler); pass such a frozen network's output
-  through ``.detach()`` yourself if it must stay frozen.
-* The caller's own ``no_grad``/``inference_mode`` around the call is honoured (no graph).
-* ``self.eval()`` (any ``train()``) called by the sampler's code does nothing, and the train/eval flags
-  of the sampler's object and of ``step`` are put back on exit: the caller's modes hold. A module the
-  call attaches to them (imagen rebuilds ``self.unets``) takes its parent's mode.
+  code between items runs in the caller's own grad mode), ``async def`` samplers (each resumption runs
+  in the call's context; other tasks run in theirs between awaits), the sampler object's own
+  methods passed as arguments, and tasks it hands to a ``concurrent.futures.ThreadPoolExecutor``
+  (``submit``/``map``: run in a copy of the call's context, with the submitting thread's grad mode).
+  Nothing is rewritten: torch's managers do nothing when the sampler's code enters them
+  (:mod:`gradpatch.sampling.generic.gradoff`).
+* Honoured (torch's behaviour), everywhere else:
+
+  - the caller's own ``no_grad``/``inference_mode`` around the call (no graph);
+  - the networks it calls: inside a module's ``forward`` a ``no_grad`` (a deliberate stop-gradient, a
+    renormalisation) stays. A ``forward`` that is itself decorated grad-off is treated as sampler code
+    (Matcha's ``CFM.forward`` is a sampler); pass such a frozen network's output through
+    ``.detach()`` yourself if it must stay frozen;
+  - code the caller passes in as an argument (a callback, ``denoised_fn``, ``cond_fn``, a
+    ``functools.partial``, a callable object, also in a list, tuple or dict, three levels down) and
+    everything it calls: what a
+    ``@torch.no_grad()`` logging callback stores carries no graph. A callable made differentiable
+    with :func:`differentiable` and passed in is lifted by its own call. If the result then carries no
+    graph, the error names the callback's grad-off block;
+  - threads started otherwise (``threading.Thread``, ``multiprocessing``'s ``ThreadPool``), other
+    threads and tasks, torch's and gradpatch's own code.
+* ``self.eval()`` (any ``train()``) called by the sampler's code does nothing, on every module
+  reachable from the sampler's object, ``step`` or the arguments, submodules included, and also when a
+  class defines its own ``train``/``eval`` (loralib merging LoRA weights: never run); the train/eval
+  flags of the sampler's object and of ``step`` are put back on exit: the caller's modes hold. A module
+  the call attaches to them (imagen rebuilds ``self.unets``) takes its parent's mode.
 * In-place writes (``x_in[:B] = x``, ``x += v * dt``) give the gradients of the out-of-place
   computation (:mod:`gradpatch.sampling.generic.copy_on_write`, copy on write of tensors saved for backward).
 * Inference tensors never leak out: they are cloned into normal tensors in what the call returns or
@@ -70,7 +86,9 @@ The grad-off managers are patched at class level while a call is active (other c
 own code). ``checkpoint_steps`` costs a second forward of each step.
 
 **What breaks.** Writes torch does not dispatch (``.data`` copies, C++ extensions) into tensors saved
-for backward raise in backward. ``torch._C._set_grad_enabled(False)`` called directly is not seen.
+for backward raise in backward; so does any write into a tensor saved for backward under
+``torch.func.grad`` or ``torch.autograd.graph.disable_saved_tensors_hooks`` (no copy-on-write hooks
+there: the call runs, torch's own version check raises). ``torch._C._set_grad_enabled(False)`` called directly is not seen.
 Code compiled with ``torch.compile`` inside the call may graph-break at the mode. A network that caches
 a tensor across steps (F5-TTS's text embedding with ``cache=True``) computes it in the first step: with
 ``grad_steps`` that step is not recorded, so the cached tensor is a constant in the last K steps and

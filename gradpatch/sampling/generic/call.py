@@ -5,7 +5,9 @@ its context only: the sampler's grad-off constructs inert (:mod:`gradpatch.sampl
 writes copy-on-write (:mod:`gradpatch.sampling.generic.copy_on_write`), the ``step`` routed through
 :func:`~gradpatch.sampling.run.run_step` (counted: call ``i`` is step ``i``) and the train/eval flags
 of the modules involved put back on exit. A generator is resumed the same way each time, and the
-caller's grad mode holds at every ``yield``. Inference tensors in what it returns or yields are cloned
+caller's grad mode holds at every ``yield``; so is an ``async def`` sampler's coroutine
+(:mod:`gradpatch.sampling._coroutine`). Callables passed in as arguments are the caller's code: their
+grad-off constructs are honoured. Inference tensors in what it returns or yields are cloned
 into normal ones. If gradients could flow (grad on, something requires grad) but nothing returned
 carries a graph, it raises :class:`~gradpatch.errors.NotDifferentiableError` instead of returning it.
 """
@@ -23,13 +25,15 @@ import torch
 
 from gradpatch.checkpointing.compat import is_compiling
 from gradpatch.errors import NotDifferentiableError
+from gradpatch.sampling import contract
 from gradpatch.sampling.contract import sampler_entry
-from gradpatch.sampling.generic import gradoff
+from gradpatch.sampling.generic.call import gradoff
 from gradpatch.sampling.generic.copy_on_write import CopyOnWrite
+from gradpatch.sampling.generic.coroutine import awaited
 from gradpatch.sampling.options import SamplingOptions
 from gradpatch.sampling.run import SamplingRun, current, run_step, shadow
 from gradpatch.sampling.steps.odeint import stepped_odeint
-from gradpatch.sampling.values import clean, codes, describe, tensors
+from gradpatch.sampling.values import clean, codes, cut_by_callbacks, describe, overriding_classes, tensors, user_codes
 
 FAMILY = "generic"
 
@@ -107,6 +111,7 @@ class _Run:
 
     def __init__(self, sampler: Sampler, total: int | None, cow: CopyOnWrite) -> None:
         self.sampler, self.total, self.cow, self.count, self.inside = sampler, total, cow, 0, False
+        self.live: Any = None  # the call's gradoff.Call
 
     def step(self, real: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         index, self.count = self.count, self.count + 1
@@ -191,7 +196,9 @@ def call(sampler: Sampler, original: Callable[..., Any], args: tuple, kwargs: di
     cow = CopyOnWrite()
     run = _Run(sampler, total, cow)
     state.family_state = run
-    live = gradoff.Call(where, sampler.codes)
+    live = gradoff.Call(where, sampler.codes, user_codes([list(args), kwargs], owner) - sampler.codes,
+                        overriding_classes([owner, sampler.step, list(args), kwargs]))
+    run.live = live
     state.scopes.append(functools.partial(gradoff.active, live))
     grad = torch.is_grad_enabled()
     wanted = grad and any(t.requires_grad for t in tensors([owner, sampler.step, list(args), kwargs]))
@@ -204,10 +211,35 @@ def call(sampler: Sampler, original: Callable[..., Any], args: tuple, kwargs: di
             if target is not None:  # the step's shadow, only while the sampler runs (not between a generator's items)
                 stack.enter_context(shadow(*target, stepped_odeint if ode else _stepped))
             stack.enter_context(state.active())
-            stack.enter_context(cow.hooks())
+            if torch._C._autograd._saved_tensors_hooks_is_enabled():  # off under torch.func.grad and
+                stack.enter_context(cow.hooks())  # disable_saved_tensors_hooks: no copy on write (torch's check)
             stack.enter_context(cow)
             stack.enter_context(torch.set_grad_enabled(grad))  # puts the caller's mode back (grad_steps cuts)
             yield
+
+    def finish(out: Any) -> Any:
+        if unrouted and not state.joined:
+            raise ValueError(f"gradpatch.differentiable({where}): grad_steps and checkpoint_steps need step=, what "
+                             "one sampler step calls (a module, a method, or the name of an attribute or argument), "
+                             "unless the call reaches a catalogued sampler, which applies them to its own steps")
+        if total is not None and run.count != total and not state.joined:
+            raise RuntimeError(f"gradpatch.differentiable({where}): grad_steps: step was called {run.count} times, "
+                               f"but steps says {total}; the last K steps cannot be told apart. Pass as step what "
+                               "one sampler step calls once, or use checkpoint_steps")
+        if options.checkpoint_steps and state.evaluations == 0 and not unrouted:
+            raise RuntimeError(f"gradpatch.differentiable({where}): checkpoint_steps had no effect: step was never "
+                               "called")
+        if ode and options.grad_steps is not None and state.evaluations == 0:
+            raise RuntimeError(f"gradpatch.differentiable({where}): grad_steps had no effect: the sampler never "
+                               f"called the solver through its module's global {sampler.step!r} (it calls "
+                               "torchdiffeq.odeint by attribute, or another solver), so no step could be cut. Pass as "
+                               "step what it calls")
+        if wanted and not any(t.requires_grad for t in tensors(out)):
+            if live.honoured:
+                raise NotDifferentiableError(cut_by_callbacks(where, out, live.honoured))
+            raise NotDifferentiableError(f"gradpatch.differentiable({where}) returned {describe(out)}; gradients "
+                                         "cannot flow through it. Return the tensor itself (convert it afterwards)")
+        return clean(out)
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(_modes_kept([owner, sampler.step if not isinstance(sampler.step, str) else None]))
@@ -215,30 +247,25 @@ def call(sampler: Sampler, original: Callable[..., Any], args: tuple, kwargs: di
             out = _start(original, args, kwargs)
         if inspect.isgenerator(out):
             return _generator(out, entered, stack.pop_all())
-    if unrouted and not state.joined:
-        raise ValueError(f"gradpatch.differentiable({where}): grad_steps and checkpoint_steps need step=, what one "
-                         "sampler step calls (a module, a method, or the name of an attribute or argument), "
-                         "unless the call reaches a catalogued sampler, which applies them to its own steps")
-    if total is not None and run.count != total and not state.joined:
-        raise RuntimeError(f"gradpatch.differentiable({where}): grad_steps: step was called {run.count} times, but "
-                           f"steps says {total}; the last K steps cannot be told apart. Pass as step what one "
-                           "sampler step calls once, or use checkpoint_steps")
-    if options.checkpoint_steps and state.evaluations == 0 and not unrouted:
-        raise RuntimeError(f"gradpatch.differentiable({where}): checkpoint_steps had no effect: step was never called")
-    if ode and options.grad_steps is not None and state.evaluations == 0:
-        raise RuntimeError(f"gradpatch.differentiable({where}): grad_steps had no effect: the sampler never called "
-                           f"the solver through its module's global {sampler.step!r} (it calls torchdiffeq.odeint by "
-                           "attribute, or another solver), so no step could be cut. Pass as step what it calls")
-    if wanted and not any(t.requires_grad for t in tensors(out)):
-        raise NotDifferentiableError(f"gradpatch.differentiable({where}) returned {describe(out)}; gradients "
-                                     "cannot flow through it. Return the tensor itself (convert it afterwards)")
-    return clean(out)
+        if inspect.iscoroutine(out):  # an async def sampler: each resumption inside the call's context
+            return awaited(out, entered, stack.pop_all(), finish)
+
+    return finish(out)
 
 
 _COMPILE = ("a gradpatch.differentiable call with cache=False cannot be traced by torch.compile (context variables, "
             "a TorchFunctionMode, frame inspection): compile the denoiser or the step module instead (the call runs "
             "them as they are), or compile without fullgraph=True (the call then runs eagerly, a graph break)")
-_DISABLED: list[Callable[..., Any]] = []  # call behind torch.compiler.disable, made once dynamo is imported
+_DISABLED: list[Callable[..., Any]] = []
+_MACHINERY = frozenset({__file__, contract.__file__})  # call behind torch.compiler.disable, made once dynamo is imported
+
+
+def _caller_frame() -> Any:
+    """The frame that called the differentiable callable: the first outside this module and the contract."""
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename in _MACHINERY:
+        frame = frame.f_back
+    return frame
 
 
 def _through(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
@@ -255,6 +282,7 @@ def _eager(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     if is_compiling():  # dynamo runs the frames up to here eagerly instead, or shows this under fullgraph=True
         raise RuntimeError(_COMPILE)
     return fn(*args, **kwargs)
+
 
 
 def _generator(gen: Any, entered: Callable[[], Any], stack: contextlib.ExitStack) -> Iterator[Any]:
@@ -306,8 +334,9 @@ class Differentiable:
 
         def run(state: SamplingRun, outer: SamplingRun | None, args: tuple, kwargs: dict) -> Any:
             if outer is not None and sampler.step is None:
-                if outer.family == FAMILY:
-                    return fn(*args, **kwargs)  # inside another call: its constructs are inert already
+                lifted = outer.family_state.live if outer.family == FAMILY else None
+                if lifted is not None and gradoff.in_sampler(_caller_frame(), lifted):
+                    return fn(*args, **kwargs)  # called by the outer sampler's code: its constructs are inert already
                 state.options = SamplingOptions()  # the outer sampler knows its steps: only lift the constructs
             return call(sampler, fn, args, kwargs, this_of(args), state)
 
@@ -319,6 +348,8 @@ class Differentiable:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return _eager(self._entry, *args, **kwargs)
+
+    __gradpatch_differentiable__ = True  # a callable passed into another call lifts its own constructs
 
     def __get__(self, obj: Any, objtype: Any = None) -> Any:
         return self if obj is None else types.MethodType(self, obj)

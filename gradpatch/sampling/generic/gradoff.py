@@ -5,26 +5,35 @@ entered them. ``torch.no_grad()``, ``torch.inference_mode()`` (mode True) and
 ``torch.set_grad_enabled(False)`` do nothing when they are entered by *the sampler's code*: a
 decorator of any function the call reaches (torch's ``decorate_context``/``generator_context``, also
 behind wrappers that are not ``functools.wraps``-based), or a ``with`` block in a frame that is not
-inside a network. A network is a frame running ``forward`` of an ``nn.Module`` that is neither the
-target's own code nor itself decorated grad-off (Matcha's ``CFM.forward`` is a sampler): inside one,
-everything runs as written. torch's and gradpatch's own code are never touched. The frames are read
-up to the call's boundary (:data:`BOUNDARY` code objects), so a checkpoint recompute or a generator
-resumed by the caller is classified like the forward call.
+inside a network nor inside the caller's code. A network is a frame running ``forward`` of an
+``nn.Module`` that is neither the target's own code nor itself decorated grad-off (Matcha's
+``CFM.forward`` is a sampler): inside one, everything runs as written. The caller's code is a callable
+passed in as an argument (:attr:`Call.user`: callbacks, ``denoised_fn``, ``cond_fn``): inside it, and in
+whatever it calls, the caller's grad-off constructs are honoured (recorded in :attr:`Call.honoured` for
+messages). torch's and gradpatch's own code are never touched. The frames are read up to the call's
+boundary (:data:`BOUNDARY` code objects), so a checkpoint recompute, a generator or coroutine resumed
+by the caller and a task the sampler's code submits to a ``concurrent.futures.ThreadPoolExecutor``
+(run in a copy of the call's context, with the submitting thread's grad mode) are classified like the
+forward call. Threads started otherwise have no call in their context: torch's own behaviour there.
 
 Refused with :class:`~gradpatch.errors.NotDifferentiableError` (message: what and where): a grad-off
 manager held in a variable and entered by the sampler (``ctx = torch.no_grad(); with ctx:``: it may be
 shared with code that means it), and a ``@contextmanager`` whose name holds ``ema`` (``ema_scope``: the
 samples would come from EMA weights swapped in with ``.data`` copies, not from the parameters being
 trained). ``nn.Module.train`` (so ``eval()``) called by the sampler's code is a no-op: the caller's
-train/eval modes hold during the call.
+train/eval modes hold during the call; so are the own ``train``/``eval`` of the module classes in
+:attr:`Call.classes` (a LoRA layer's merge never runs).
 
 The managers are patched at class level while at least one call is active (reference counted, under a
 lock); in every other context the patched methods run torch's own code.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
+import contextvars
 import dis
+import functools
 import sys
 import threading
 from contextvars import ContextVar
@@ -39,10 +48,13 @@ from gradpatch.errors import NotDifferentiableError
 
 class Call:
     """One active call: the target's code objects (its frames are the sampler's, also when it is a
-    ``forward``) and a name for messages."""
+    ``forward``), the code objects of the callables passed in (the caller's: honoured), the module
+    classes whose own ``train``/``eval`` the sampler's code must not run, and a name for messages."""
 
-    def __init__(self, where: str, codes: frozenset[CodeType]) -> None:
-        self.where, self.codes = where, codes
+    def __init__(self, where: str, codes: frozenset[CodeType], user: frozenset[CodeType] = frozenset(),
+                 classes: frozenset[type] = frozenset()) -> None:
+        self.where, self.codes, self.user, self.classes = where, codes, user, classes
+        self.honoured: list[str] = []  # where the caller's callbacks entered a grad-off manager
 
 
 _active: ContextVar[Call | None] = ContextVar("gradpatch_differentiable_call", default=None)
@@ -70,15 +82,26 @@ def _network(frame: FrameType, call: Call) -> bool:
     return frame.f_back is None or frame.f_back.f_code not in _DECORATORS
 
 
-def in_sampler(frame: FrameType | None, call: Call) -> bool:
-    """Whether ``frame`` runs the sampler's code: the boundary is above it and no network between."""
+def _owner(frame: FrameType | None, call: Call) -> str:
+    """Whose code ``frame`` runs: ``"sampler"`` (the boundary is above it, with no network and no code of
+    the caller's between), ``"user"`` (a callable the caller passed in is between) or ``"other"``."""
     while frame is not None:
-        if frame.f_code in BOUNDARY:
-            return True
+        code = frame.f_code
+        if code in BOUNDARY:
+            return "sampler"
+        if code in call.user or (code in _DECORATORS and getattr(frame.f_locals.get("func"), "__code__", None)
+                                 in call.user):
+            return "user"
         if _network(frame, call):
-            return False
+            return "other"
         frame = frame.f_back
-    return False
+    return "other"
+
+
+def in_sampler(frame: FrameType | None, call: Call) -> bool:
+    """Whether ``frame`` runs the sampler's code: the boundary is above it and no network, and no
+    callable the caller passed in, between."""
+    return _owner(frame, call) == "sampler"
 
 
 _opcodes: dict[CodeType, tuple[dict[int, int], list[str]]] = {}
@@ -112,7 +135,12 @@ def _lift(frame: FrameType, what: str, *, check_fresh: bool = True) -> bool:
     module = getattr(owner, "__module__", None) if decorated else frame.f_globals.get("__name__")
     if str(module or "").partition(".")[0] in ("torch", "gradpatch"):
         return False
-    if not in_sampler(frame, call):
+    whose = _owner(frame, call)
+    if whose == "user":
+        code = getattr(owner, "__code__", None)
+        call.honoured.append(f"{code.co_filename}:{code.co_firstlineno} (@{what} on {code.co_qualname})"
+                             if decorated and code is not None else f"{_where(frame)} ({what})")
+    if whose != "sampler":
         return False
     if check_fresh and not decorated and not _fresh(frame):
         raise NotDifferentiableError(
@@ -129,6 +157,7 @@ _ORIGINAL = {
     "inference_mode.__exit__": grad_mode.inference_mode.__exit__,
     "set_grad_enabled.__init__": grad_mode.set_grad_enabled.__init__,
     "train": torch.nn.Module.train, "gcm.__enter__": contextlib._GeneratorContextManager.__enter__,
+    "submit": concurrent.futures.ThreadPoolExecutor.submit,
 }
 
 
@@ -184,13 +213,61 @@ def _gcm_enter(self: Any) -> Any:
     return _ORIGINAL["gcm.__enter__"](self)
 
 
+def _submit(self: Any, fn: Any, /, *args: Any, **kwargs: Any) -> Any:
+    call = _active.get()
+    if call is not None and in_sampler(sys._getframe(1), call):  # the sampler's work, in the call's context
+        context = contextvars.copy_context()
+        return _ORIGINAL["submit"](self, context.run, _worker, torch.is_grad_enabled(), fn, args, kwargs)
+    return _ORIGINAL["submit"](self, fn, *args, **kwargs)
+
+
+def _worker(grad: bool, fn: Any, args: tuple, kwargs: dict) -> Any:  # a boundary: the pool thread's share
+    with torch.set_grad_enabled(grad):  # the submitting thread's mode (a new thread's own is on)
+        return fn(*args, **kwargs)
+
+
+BOUNDARY.add(_worker.__code__)
 _PATCHES = [(grad_mode.no_grad, "__enter__", _no_grad_enter), (grad_mode.no_grad, "__exit__", _no_grad_exit),
             (grad_mode.inference_mode, "__enter__", _inference_enter),
             (grad_mode.inference_mode, "__exit__", _inference_exit),
             (grad_mode.set_grad_enabled, "__init__", _set_grad_enabled_init), (torch.nn.Module, "train", _train),
-            (contextlib._GeneratorContextManager, "__enter__", _gcm_enter)]
+            (contextlib._GeneratorContextManager, "__enter__", _gcm_enter),
+            (concurrent.futures.ThreadPoolExecutor, "submit", _submit)]
 _lock = threading.Lock()
 _users = 0
+_overrides: dict[tuple[type, str], list[Any]] = {}  # (class, "train"/"eval") -> [users, original, ours]
+
+
+def _guarded(original: Any) -> Any:
+    """A module class's own ``train``/``eval``, a no-op when the sampler's code calls it (its side
+    effects, a LoRA merge, never run), the original everywhere else."""
+
+    @functools.wraps(original)
+    def guarded(self: Any, *args: Any, **kwargs: Any) -> Any:
+        call = _active.get()
+        if call is not None and in_sampler(sys._getframe(1), call):
+            return self
+        return original(self, *args, **kwargs)
+
+    return guarded
+
+
+def _guard(classes: frozenset[type], delta: int) -> None:  # under _lock
+    for owner in classes:
+        for name in ("train", "eval"):
+            if name not in vars(owner) and (owner, name) not in _overrides:
+                continue
+            entry = _overrides.get((owner, name))
+            if entry is None and delta > 0:
+                entry = _overrides[(owner, name)] = [0, vars(owner)[name], _guarded(vars(owner)[name])]
+                setattr(owner, name, entry[2])
+            if entry is None:
+                continue
+            entry[0] += delta
+            if entry[0] == 0:
+                del _overrides[(owner, name)]
+                if vars(owner).get(name) is entry[2]:
+                    setattr(owner, name, entry[1])
 
 
 @contextlib.contextmanager
@@ -203,12 +280,14 @@ def active(call: Call) -> Iterator[None]:
                 _ORIGINAL[key] = vars(owner)[name]  # whatever is there now (another library's, too)
                 setattr(owner, name, ours)
         _users += 1
+        _guard(call.classes, 1)
     token = _active.set(call)
     try:
         yield
     finally:
         _active.reset(token)
         with _lock:
+            _guard(call.classes, -1)
             _users -= 1
             if _users == 0:
                 for (owner, name, ours), key in zip(_PATCHES, _ORIGINAL):
