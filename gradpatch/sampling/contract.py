@@ -138,11 +138,8 @@ def sampler_entry(original: Callable[..., Any], run: Optional[FamilyRun], *, fam
             if refusal is not None:
                 raise NotDifferentiableError(f"{where} cannot continue the cache=False call it was called in: "
                                              f"{refusal}")
-            inner = SamplingRun(outer.options, family=family)
-            out = run(inner, outer, args, kwargs)  # type: ignore[misc]
-            outer.evaluations += inner.evaluations
-            outer.joined = True
-            return out
+            inner = SamplingRun(outer.options, family=family, parent=outer)  # outer.joined once it is active
+            return run(inner, outer, args, kwargs)  # type: ignore[misc]
         if flag:
             note_cached_call(where, object_of(args, kwargs))
             return original(*args, **kwargs)

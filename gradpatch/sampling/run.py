@@ -72,7 +72,8 @@ class SamplingRun:
     options: SamplingOptions
     family: str = ""  # which family's entry started it (gradpatch.sampling.contract, rule 3)
     evaluations: int = 0
-    joined: bool = False  # a sampler of another family continued this call (contract, rule 3)
+    joined: bool = False  # a sampler continued this call with its own run (contract, rule 3)
+    parent: SamplingRun | None = field(default=None, repr=False)  # the call this one continues, if any
     family_state: Any = field(default=None, repr=False)  # what the family keeps for the call
     budget: Any = field(default=None, repr=False)  # checkpoint_steps="budget:<size>": a StepBudget
     cut: bool = False  # grad_steps: grad is off from the first step until step N-K-1 ends
@@ -104,6 +105,8 @@ class SamplingRun:
     def active(self) -> Iterator[None]:
         """Make this run current and its scopes hold, for the duration of the block."""
         token = current.set(self)
+        if self.parent is not None:
+            self.parent.joined = True
         try:
             with contextlib.ExitStack() as stack:
                 if self.options.grad_steps is not None:
@@ -285,7 +288,10 @@ def run_step(step: int, total: int, fn: Callable[..., T], *args: Any, **kwargs: 
     run = current.get()
     if run is None or not (torch.is_grad_enabled() or run.cut):
         return fn(*args, **kwargs)
-    run.evaluations += 1
+    counted: SamplingRun | None = run
+    while counted is not None:  # a joined call's evaluations count for the calls it continues too
+        counted.evaluations += 1
+        counted = counted.parent
     options = run.options
     first = total - options.grad_steps if options.grad_steps is not None else 0
     if step < first:

@@ -27,7 +27,7 @@ from gradpatch.checkpointing.compat import is_compiling
 from gradpatch.errors import NotDifferentiableError
 from gradpatch.sampling import contract
 from gradpatch.sampling.contract import sampler_entry
-from gradpatch.sampling.generic.call import gradoff
+from gradpatch.sampling.generic import gradoff
 from gradpatch.sampling.generic.copy_on_write import CopyOnWrite
 from gradpatch.sampling.generic.coroutine import awaited
 from gradpatch.sampling.options import SamplingOptions
@@ -55,6 +55,8 @@ class Sampler:
 
     def __init__(self, fn: Callable[..., Any], step: Any, steps: Any, where: str) -> None:
         self.fn, self.step, self.steps, self.where = fn, step, steps, where
+        self.user = False  # the callable form: without step=, grad_steps/checkpoint_steps may be left to a
+        # catalogued sampler the call reaches (gradpatch.sampling.contract, rule 3)
         self.codes = codes(fn)
         try:
             self.signature = inspect.signature(fn)
@@ -185,6 +187,9 @@ def call(sampler: Sampler, original: Callable[..., Any], args: tuple, kwargs: di
     # Without step=, only a catalogued sampler joining the call (contract, rule 3) can apply the options:
     # checked when the call returns.
     unrouted = (options.grad_steps is not None or options.checkpoint_steps) and sampler.step is None
+    if unrouted and not sampler.user:  # a catalogued sampler declares its step (imagen: options per stage)
+        raise ValueError(f"gradpatch.differentiable({where}): grad_steps and checkpoint_steps need step=, what one "
+                         "sampler step calls (a module, a method, or the name of an attribute or argument)")
     ode = sampler.step is not None and sampler.ode()
     if options.grad_steps is not None and sampler.steps is None and not ode and not unrouted:
         raise ValueError(f"gradpatch.differentiable({where}): grad_steps needs steps=, the argument holding the "
@@ -325,6 +330,7 @@ class Differentiable:
         self._made = (fn, step, steps, cache, where)
         self._owner = owner = getattr(fn, "__self__", None)
         sampler = Sampler(fn, step, steps, where)
+        sampler.user = not cache
 
         def this_of(args: tuple) -> Any:
             if owner is not None:
