@@ -16,7 +16,7 @@ hooks must see the recompute inside the graph; compiling), the evaluation runs w
 saved-tensor hooks (:class:`_Frame`): the forward's pack hook returns the saved tensor's position
 (``next`` of a counter: no Python frame), the first unpack in backward recomputes the evaluation once,
 keeping the tensors it saves, in order, and each unpack takes its own; a recompute that saves another
-number of tensors raises. Once an evaluation of a ``cache=False`` call needed that path, the call's later
+number of tensors, or builds another graph (counted and compared as on the node), raises. Once an evaluation of a ``cache=False`` call needed that path, the call's later
 evaluations take it at once (:attr:`gradpatch.sampling.runner.SamplingRun.fast`).
 
 Both support what the evaluation does under grad, dropout included (the RNG is replayed),
@@ -62,7 +62,7 @@ class _Frame:
     """One evaluation: what its recompute needs, and the recomputed tensors while backward uses them."""
 
     __slots__ = ("fn", "args", "kwargs", "rng", "devices", "cuda_rng", "autocast", "counter", "count", "values",
-                 "left", "seen", "pack")
+                 "left", "seen", "pack", "shape")
 
     def __init__(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
         self.fn, self.args, self.kwargs, self.count = fn, args, kwargs, None  # type: int | None
@@ -77,6 +77,16 @@ class _Frame:
         self.values: list[torch.Tensor | None] | None = None
         self.left = 0
         self.seen: dict[Any, tuple[Any, int]] | None = None  # measured: storage -> (weak ref, bytes)
+        self.shape: tuple[int | None, tuple[str, ...]] | None = None  # see run
+
+    def run(self, pack: Callable[[torch.Tensor], Any]) -> Any:
+        """The forward: ``fn`` under this frame's hooks (``pack``), noting the graph it builds (autograd
+        nodes made, the kinds making its outputs) for :meth:`recompute` to compare."""
+        start = _sequence_nr()
+        with torch.autograd.graph.saved_tensors_hooks(pack, self.unpack), _inner_plain():
+            out = self.fn(*self.args, **self.kwargs)
+        self.shape = _shape(out, _sequence_nr() - start, self.autocast)
+        return out
 
     def measuring_pack(self, tensor: torch.Tensor) -> int:
         """The pack hook of :func:`measured`: the position, and the storage noted (once; an address
@@ -118,11 +128,18 @@ class _Frame:
                 torch.cuda.set_rng_state(state, device)
             with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, _never):
                 with _autocast(self.autocast), _inner_plain():
-                    self.fn(*self.args, **self.kwargs)
+                    start = _sequence_nr()
+                    shape = _shape(self.fn(*self.args, **self.kwargs), _sequence_nr() - start, self.autocast)
         if len(values) != self.count:
             raise RuntimeError(f"checkpoint_steps: a denoiser evaluation saved {self.count} tensors for backward "
                                f"in the forward and {len(values)} when recomputed in backward: it does not run the "
                                "same way twice (a cache filled in the forward?); use checkpoint_steps=False")
+        if self.shape is not None and shape != self.shape:
+            raise RuntimeError(f"checkpoint_steps: a denoiser evaluation built another graph when recomputed in "
+                               f"backward than in its forward ({self.shape[0]} autograd nodes then, {shape[0]} now; "
+                               f"outputs made by {', '.join(self.shape[1])} then, {', '.join(shape[1])} now): it does "
+                               "not run the same way twice (a cache filled in the forward, a scripted function's "
+                               "first run?); use checkpoint_steps=False")
         self.values, self.left = values, len(values)
 
 
@@ -137,6 +154,16 @@ class _autocast:
     def __exit__(self, *exc: Any) -> None:
         for context in reversed(self.contexts):
             context.__exit__(*exc)
+
+
+_sequence_nr: Callable[[], int] = torch._C._autograd._get_sequence_nr  # the thread's next autograd node number
+
+
+def _shape(out: Any, nodes: int, autocast: list) -> tuple[int | None, tuple[str, ...]]:
+    """What :meth:`_Frame.recompute` compares: autograd nodes made (not under autocast, whose cast cache
+    may hold the forward's casts of parameters and not the recompute's) and the kinds making the outputs."""
+    return (None if autocast else nodes), tuple(type(o.grad_fn).__name__ if isinstance(o, torch.Tensor) else "-"
+                                                for o in tree_flatten(out)[0])
 
 
 def _never(packed: Any) -> torch.Tensor:
@@ -158,8 +185,7 @@ def recomputed(fn: Callable[..., T], args: tuple, kwargs: dict, fast: bool) -> t
         if out is not ESCAPED:
             return (out if structure[0] is None else tree_unflatten(list(out), structure[0])), True
     frame = _Frame(fn, args, kwargs)
-    with torch.autograd.graph.saved_tensors_hooks(frame.pack, frame.unpack), _inner_plain():
-        return fn(*args, **kwargs), False
+    return frame.run(frame.pack), False
 
 
 def _flat_call(fn: Callable[..., Any], structure: list[Any], *args: Any, **kwargs: Any) -> Any:
@@ -189,8 +215,7 @@ def measured(fn: Callable[..., T], *args: Any, **kwargs: Any) -> tuple[T, int]:
     alive (the inputs, parameters, the output) cost nothing more when kept, and each storage counts once."""
     frame = _Frame(fn, args, kwargs)
     frame.seen = {}
-    with torch.autograd.graph.saved_tensors_hooks(frame.measuring_pack, frame.unpack), _inner_plain():
-        out = fn(*args, **kwargs)
+    out = frame.run(frame.measuring_pack)
     seen, frame.seen = frame.seen, None
     return out, sum(size for ref, size in seen.values() if ref.expired())
 
