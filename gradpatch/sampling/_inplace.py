@@ -85,6 +85,12 @@ class CopyOnWrite(TorchFunctionMode):
 
     pack = hold
 
+    def __enter__(self) -> "CopyOnWrite":
+        run = _sampling._current.get()
+        if run is not None:  # checkpoint_steps: recomputes restore what was written since (_step_inputs)
+            run.keep = self.hold
+        return super().__enter__()
+
     @staticmethod
     def unpack(saved: Saved) -> torch.Tensor:
         return saved.value()

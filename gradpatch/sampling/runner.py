@@ -51,7 +51,7 @@ from typing import Any, Callable, ContextManager, Iterator, TypeVar
 import torch
 import torch.utils.checkpoint
 
-from gradpatch.sampling import _step_checkpoint
+from gradpatch.sampling import _step_checkpoint, _step_inputs
 from gradpatch.sampling.options import (OPTIONS, SamplingOptions, check_flag, check_keywords,  # noqa: F401
                                      note_cached_call, sampling_options, swallowed_keywords)
 
@@ -69,6 +69,8 @@ class SamplingRun:
     budget: Any = field(default=None, repr=False)  # checkpoint_steps="budget:<size>": a StepBudget
     cut: bool = False  # grad_steps: grad is off from the first step until step N-K-1 ends
     fast: bool = True  # checkpoint_steps: evaluations try the fixed checkpoint's node (_step_checkpoint)
+    keep: Callable[[torch.Tensor], Any] | None = None  # copy on write's hold, where the call has it (_step_inputs)
+    known: dict = field(default_factory=dict, repr=False)  # _step_inputs: the submodules holding buffers
     scopes: list[Callable[[], ContextManager[Any]]] = field(default_factory=list, repr=False)
 
     window: Any = None  # grad_steps: the _window.Window between steps N-K-1 and N-K, while open
@@ -254,18 +256,23 @@ def run_step(step: int, total: int, fn: Callable[..., T], *args: Any, **kwargs: 
         torch._C._set_grad_enabled(True)
         run.cut = False
     if options.checkpoint_steps:
+        as_was = _step_inputs.AsWas(fn, args, kwargs, run.keep, run.known)  # recomputes see the inputs as they were
+
         def replay(*args: Any, **kwargs: Any) -> T:  # the recompute in backward runs outside the call
             if _current.get() is run:
-                return fn(*args, **kwargs)
+                return as_was(*args, **kwargs)
             with run.active():
-                return fn(*args, **kwargs)
+                return as_was(*args, **kwargs)
 
         if options.step_budget is not None:
             from gradpatch.sampling import _step_budget
 
             run.budget = run.budget or _step_budget.StepBudget(options.step_budget)
-            return _step_budget.evaluate(run.budget, replay, args, kwargs, run.recomputed)
-        return run.recomputed(replay, args, kwargs)
+            out = _step_budget.evaluate(run.budget, replay, args, kwargs, run.recomputed)
+        else:
+            out = run.recomputed(replay, args, kwargs)
+        as_was.mark()
+        return out
     return fn(*args, **kwargs)
 
 
