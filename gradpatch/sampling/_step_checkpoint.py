@@ -16,8 +16,9 @@ hooks must see the recompute inside the graph; compiling), the evaluation runs w
 saved-tensor hooks (:class:`_Frame`): the forward's pack hook returns the saved tensor's position
 (``next`` of a counter: no Python frame), the first unpack in backward recomputes the evaluation once,
 keeping the tensors it saves, in order, and each unpack takes its own; a recompute that saves another
-number of tensors, or builds another graph (counted and compared as on the node), raises. Once an evaluation of a ``cache=False`` call needed that path, the call's later
-evaluations take it at once (:attr:`gradpatch.sampling.runner.SamplingRun.fast`).
+number of tensors, or builds another graph (counted and compared as on the node), raises. Once an
+evaluation of a ``cache=False`` call needed that path, the call's later evaluations take it at once
+(:attr:`gradpatch.sampling.runner.SamplingRun.fast`).
 
 Both support what the evaluation does under grad, dropout included (the RNG is replayed),
 ``torch.autograd.grad`` and ``backward``, ``retain_graph`` (a second backward recomputes again) and
