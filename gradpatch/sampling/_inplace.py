@@ -127,7 +127,10 @@ class CopyOnWrite(TorchFunctionMode):
             self.saved.setdefault(key, weakref.WeakSet()).add(saved)
         return saved
 
-    pack = hold
+    def pack(self, tensor: torch.Tensor) -> Saved:
+        # Held detached (same storage and version counter): a saved output held as itself would keep its
+        # own node alive through the hook (a reference cycle), past the graph a checkpoint drops.
+        return self.hold(tensor.detach())
 
     def __enter__(self) -> "CopyOnWrite":
         run = _sampling._current.get()
@@ -160,7 +163,7 @@ class CopyOnWrite(TorchFunctionMode):
             held = Through(tensor)
             if held.key is not None:
                 saved.setdefault(held.key, weakref.WeakSet()).add(held)
-            return held, pack(tensor)
+            return held, pack(tensor.detach())  # detached: see CopyOnWrite.pack
 
         def through_unpack(packed: tuple[Through, Any]) -> torch.Tensor:
             return packed[0].value(unpack(packed[1]))

@@ -36,6 +36,7 @@ second time.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 from typing import Any, Callable, TypeVar
@@ -192,13 +193,26 @@ def recomputed(fn: Callable[..., T], args: tuple, kwargs: dict, fast: bool) -> t
 def _flat_call(fn: Callable[..., Any], structure: list[Any], *args: Any, **kwargs: Any) -> Any:
     """``fn``'s result, as a tensor or a flat tuple (``structure[0]``: how to rebuild it), with
     gradpatch's block checkpoints inside it plain: in the forward and in the recompute."""
-    with _inner_plain():
+    with _inner_plain(), _detached_saves():
         out = fn(*args, **kwargs)
     if isinstance(out, torch.Tensor):
         structure[0] = None
         return out
     leaves, structure[0] = tree_flatten(out)
     return tuple(leaves)
+
+
+def _detached_saves() -> Any:
+    """The caller's saved-tensor hooks (``save_on_cpu``), given each tensor detached: hooks that keep the
+    tensor itself (``save_on_cpu`` of a CPU tensor) would keep a saved output's node alive through it, a
+    reference cycle that outlives the graph the fast path drops (the evaluation's whole graph leaked)."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    if hooks is None or getattr(hooks[0], "_checkpoint_internal", False) or \
+            str(getattr(hooks[1], "__module__", None) or "").startswith("gradpatch.") or \
+            not torch._C._autograd._saved_tensors_hooks_is_enabled():
+        return contextlib.nullcontext()  # none, torch's checkpoint's own, gradpatch's own (cycle-free)
+    pack, unpack = hooks
+    return torch.autograd.graph.saved_tensors_hooks(lambda tensor: pack(tensor.detach()), unpack)
 
 
 def _inner_plain() -> Any:
