@@ -30,7 +30,9 @@ options bound that (used with ``cache=False``):
   inside an evaluation run plainly, so nothing is recomputed twice). Gradients equal the plain run's
   (up to the order floating-point contributions are summed). The recompute happens after the
   call returned; it re-enters the call's shadows (:meth:`SamplingRun.active`), so it too sees caches
-  off. Never wrap a scheduler's ``step`` this way: schedulers keep state a recompute would advance twice.
+  off, and the step's inputs as the forward saw them, also buffers the sampler refilled in place since
+  (:mod:`gradpatch.sampling._step_inputs`). Never wrap a scheduler's ``step`` this way: schedulers keep
+  state a recompute would advance twice.
 * ``checkpoint_steps="budget:<size>"``: keep the graphs of as many evaluations as fit in ``<size>``
   bytes (``"budget:512MiB"``), measured per evaluation, and recompute the others
   (:mod:`gradpatch.sampling._step_budget`). Gradients equal the plain run's.
