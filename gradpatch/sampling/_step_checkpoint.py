@@ -46,6 +46,7 @@ import torch.utils.checkpoint
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from gradpatch.checkpointing._sharding import engine_loaded
 from gradpatch.checkpointing.checkpoint import ESCAPED, fast_path
 
 T = TypeVar("T")
@@ -87,7 +88,9 @@ class _Frame:
         start = _sequence_nr()
         with torch.autograd.graph.saved_tensors_hooks(pack, self.unpack), _inner_plain():
             out = self.fn(*self.args, **self.kwargs)
-        self.shape = _shape(out, _sequence_nr() - start, self.autocast)
+        # Nodes not counted where a sharding engine may run hooks (FSDP2 registers post-backward nodes in
+        # the forward and not in a recompute during backward): there only the output kinds compare.
+        self.shape = _shape(out, _sequence_nr() - start, self.autocast or engine_loaded())
         return out
 
     def measuring_pack(self, tensor: torch.Tensor) -> int:
@@ -131,7 +134,8 @@ class _Frame:
             with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, _never):
                 with _autocast(self.autocast), _inner_plain():
                     start = _sequence_nr()
-                    shape = _shape(self.fn(*self.args, **self.kwargs), _sequence_nr() - start, self.autocast)
+                    shape = _shape(self.fn(*self.args, **self.kwargs), _sequence_nr() - start,
+                                   self.autocast or self.shape is None or self.shape[0] is None)
         if len(values) != self.count:
             raise RuntimeError(f"checkpoint_steps: a denoiser evaluation saved {self.count} tensors for backward "
                                f"in the forward and {len(values)} when recomputed in backward: it does not run the "
@@ -161,10 +165,11 @@ class _autocast:
 _sequence_nr: Callable[[], int] = torch._C._autograd._get_sequence_nr  # the thread's next autograd node number
 
 
-def _shape(out: Any, nodes: int, autocast: list) -> tuple[int | None, tuple[str, ...]]:
-    """What :meth:`_Frame.recompute` compares: autograd nodes made (not under autocast, whose cast cache
-    may hold the forward's casts of parameters and not the recompute's) and the kinds making the outputs."""
-    return (None if autocast else nodes), tuple(type(o.grad_fn).__name__ if isinstance(o, torch.Tensor) else "-"
+def _shape(out: Any, nodes: int, uncounted: Any) -> tuple[int | None, tuple[str, ...]]:
+    """What :meth:`_Frame.recompute` compares: autograd nodes made (unless ``uncounted``: under autocast,
+    whose cast cache may hold the forward's casts of parameters and not the recompute's) and the kinds
+    making the outputs."""
+    return (None if uncounted else nodes), tuple(type(o.grad_fn).__name__ if isinstance(o, torch.Tensor) else "-"
                                                 for o in tree_flatten(out)[0])
 
 
