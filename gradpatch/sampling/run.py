@@ -33,7 +33,9 @@ options bound that (used with ``cache=False``):
   inside an evaluation run plainly, so nothing is recomputed twice). Gradients equal the plain run's
   (up to the order floating-point contributions are summed). The recompute happens after the
   call returned; it re-enters the call's shadows (:meth:`SamplingRun.active`), so it too sees caches
-  off. Never wrap a scheduler's ``step`` this way: schedulers keep state a recompute would advance twice.
+  off, and the step's inputs as the forward saw them, also buffers the sampler refilled in place since
+  (:mod:`gradpatch.sampling.steps.inputs`). Never wrap a scheduler's ``step`` this way: schedulers keep
+  state a recompute would advance twice.
 * ``checkpoint_steps="budget:<size>"``: keep the graphs of as many evaluations as fit in ``<size>``
   bytes (``"budget:512MiB"``), measured per evaluation, and recompute the others
   (:mod:`gradpatch.sampling.steps.budget`). Gradients equal the plain run's.
@@ -57,7 +59,7 @@ import torch.utils.checkpoint
 
 from gradpatch.checkpointing.compat import sequence_nr
 from gradpatch.sampling.options import SamplingOptions
-from gradpatch.sampling.steps import checkpoint as step_checkpoint
+from gradpatch.sampling.steps import checkpoint as step_checkpoint, inputs as step_inputs
 from gradpatch.sampling.steps.regions import Regions, tracking
 
 T = TypeVar("T")
@@ -78,6 +80,8 @@ class SamplingRun:
     budget: Any = field(default=None, repr=False)  # checkpoint_steps="budget:<size>": a StepBudget
     cut: bool = False  # grad_steps: grad is off from the first step until step N-K-1 ends
     fast: bool = True  # checkpoint_steps: evaluations try the fixed checkpoint's node (steps.checkpoint)
+    keep: Callable[[torch.Tensor], Any] | None = None  # copy on write's hold, where the call has it (steps.inputs)
+    known: dict = field(default_factory=dict, repr=False)  # steps.inputs: the submodules holding buffers
     scopes: list[Callable[[], ContextManager[Any]]] = field(default_factory=list, repr=False)
 
     window: Any = None  # grad_steps: the steps.window.Window between steps N-K-1 and N-K, while open
@@ -323,16 +327,21 @@ def run_step(step: int, total: int, fn: Callable[..., T], *args: Any, **kwargs: 
         torch._C._set_grad_enabled(True)
         run.cut = False
     if options.checkpoint_steps:
+        as_was = step_inputs.AsWas(fn, args, kwargs, run.keep, run.known)  # recomputes see the inputs as they were
+
         def replay(*args: Any, **kwargs: Any) -> T:  # the recompute in backward runs outside the call
             if current.get() is run:
-                return fn(*args, **kwargs)
+                return as_was(*args, **kwargs)
             with run.active():
-                return fn(*args, **kwargs)
+                return as_was(*args, **kwargs)
 
         if options.step_budget is not None:
             from gradpatch.sampling.steps import budget as step_budget
 
             run.budget = run.budget or step_budget.StepBudget(options.step_budget)
-            return step_budget.evaluate(run.budget, replay, args, kwargs, run.recomputed)
-        return run.recomputed(replay, args, kwargs)
+            out = step_budget.evaluate(run.budget, replay, args, kwargs, run.recomputed)
+        else:
+            out = run.recomputed(replay, args, kwargs)
+        as_was.mark()
+        return out
     return fn(*args, **kwargs)

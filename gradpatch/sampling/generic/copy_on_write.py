@@ -14,6 +14,11 @@ is refused with its place (the result would leave torch). In the first N-K steps
 call, a tensor updated in place is detached in place first, so the latent entering step N-K carries
 no graph (torch would keep its old history).
 
+Saved-tensor hooks compose: the caller's own around the call (``save_on_cpu``) still get every tensor
+saved, and so do hooks the sampler pushes during the call; copy on write holds those tensors weakly
+(:class:`Through`) and stands in, in backward, only for one that the hooks kept by reference and that
+was written since (``save_on_cpu`` of a CPU tensor keeps the tensor itself).
+
 What breaks: a write that torch does not dispatch through ``__torch_function__`` (``.data`` copies,
 C++ extensions writing into a tensor they were given) is not seen; backward then raises (the saved
 version differs) rather than use the new values. Tensors saved inside a checkpointed region are not
@@ -26,8 +31,10 @@ width 1024.
 from __future__ import annotations
 
 import sys
+import threading
 import weakref
-from typing import Any
+from contextvars import ContextVar
+from typing import Any, Callable
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -60,6 +67,42 @@ class Saved:
                                "copy, a C++ extension); its gradient cannot be computed")
         return self.tensor
 
+    def protect(self) -> None:
+        """Keep a copy: the tensor is about to be written."""
+        if self.copy is None:
+            with torch.no_grad():
+                self.copy = self.value().detach().clone()
+
+
+class Through:
+    """A tensor saved through another pair of saved-tensor hooks (the caller's, or the sampler's own
+    ``save_on_cpu``), held weakly: those hooks keep what they keep (a copy on the CPU, or the tensor
+    itself). If they kept the tensor itself and it is written, the copy taken before the write is
+    what backward gets."""
+
+    __slots__ = ("ref", "version", "key", "copy", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.ref, self.version, self.key, self.copy = weakref.ref(tensor), tensor._version, _key(tensor), None
+
+    def protect(self) -> None:
+        tensor = self.ref()
+        if self.copy is None and tensor is not None and tensor._version == self.version:
+            with torch.no_grad():
+                self.copy = tensor.detach().clone()
+
+    def value(self, unpacked: torch.Tensor) -> torch.Tensor:
+        """What backward gets, given what the other hooks unpacked."""
+        if self.key is None or _key(unpacked) != self.key:
+            return unpacked  # they kept a copy of their own (moved to the CPU and back, recomputed)
+        if self.copy is not None:
+            return self.copy
+        if unpacked._version != self.version:
+            raise RuntimeError("gradpatch.differentiable: a tensor saved for backward (through saved-tensor hooks "
+                               "that keep it by reference) was modified in place by an operation that gradpatch "
+                               "did not see; its gradient cannot be computed")
+        return unpacked
+
 
 def _key(tensor: torch.Tensor) -> tuple[str, int] | None:
     try:
@@ -75,7 +118,8 @@ class CopyOnWrite(TorchFunctionMode):
 
     def __init__(self) -> None:
         super().__init__()
-        self.saved: dict[tuple[str, int], weakref.WeakSet[Saved]] = {}
+        self.saved: dict[tuple[str, int], weakref.WeakSet[Saved | Through]] = {}
+        self.tokens: list[Any] = []
 
     def hold(self, tensor: torch.Tensor) -> Saved:
         saved = Saved(tensor)
@@ -84,9 +128,17 @@ class CopyOnWrite(TorchFunctionMode):
             self.saved.setdefault(key, weakref.WeakSet()).add(saved)
         return saved
 
-    pack = hold
+    def pack(self, tensor: torch.Tensor) -> Saved:
+        # Held detached (same storage and version counter): a saved output held as itself would keep its
+        # own node alive through the hook (a reference cycle), past the graph a checkpoint drops.
+        return self.hold(tensor.detach())
 
     def __enter__(self) -> CopyOnWrite:
+        run = sampling_run.current.get()
+        if run is not None:  # checkpoint_steps: recomputes restore what was written since (steps.inputs)
+            run.keep = self.hold
+        _compose_pushes()
+        self.tokens.append(_active.set(self))
         setitem_to_modes(True)  # torch 2.1: item assignment reaches the mode through a shim
         return super().__enter__()
 
@@ -95,13 +147,33 @@ class CopyOnWrite(TorchFunctionMode):
             super().__exit__(*exc)
         finally:
             setitem_to_modes(False)
+            _active.reset(self.tokens.pop())
 
     @staticmethod
     def unpack(saved: Saved) -> torch.Tensor:
         return saved.value()
 
     def hooks(self) -> Any:
-        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+        """The call's saved-tensor hooks; around the caller's own (``save_on_cpu``), which still see
+        every tensor saved."""
+        outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        pack, unpack = self.compose(*outer) if outer is not None and _foreign(*outer) else (self.pack, self.unpack)
+        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+    def compose(self, pack: Callable[[torch.Tensor], Any], unpack: Callable[[Any], torch.Tensor]) -> tuple:
+        """``(pack, unpack)`` passing each tensor to ``pack`` and ``unpack`` with copy on write around them."""
+        saved = self.saved
+
+        def through_pack(tensor: torch.Tensor) -> tuple[Through, Any]:
+            held = Through(tensor)
+            if held.key is not None:
+                saved.setdefault(held.key, weakref.WeakSet()).add(held)
+            return held, pack(tensor.detach())  # detached: see CopyOnWrite.pack
+
+        def through_unpack(packed: tuple[Through, Any]) -> torch.Tensor:
+            return packed[0].value(unpack(packed[1]))
+
+        return through_pack, through_unpack
 
     def _protect(self, tensor: object) -> None:
         if not isinstance(tensor, torch.Tensor):
@@ -109,9 +181,7 @@ class CopyOnWrite(TorchFunctionMode):
         key = _key(tensor)
         held = self.saved.pop(key, None) if key is not None else None
         for saved in list(held or ()):
-            if saved.copy is None:
-                with torch.no_grad():
-                    saved.copy = saved.value().detach().clone()
+            saved.protect()
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -137,3 +207,33 @@ class CopyOnWrite(TorchFunctionMode):
             for tensor in out if isinstance(out, (tuple, list)) else (out,):
                 self._protect(tensor)
         return func(*args, **kwargs)
+
+
+# Saved-tensor hooks that the sampler pushes during a call (its own ``save_on_cpu``) would hide the tensors
+# saved under them from copy on write: while a call is active in this context, they are pushed composed
+# (CopyOnWrite.compose). Python's saved_tensors_hooks push through this module attribute of torch's; the
+# replacement passes every other push through unchanged.
+_active: ContextVar[CopyOnWrite | None] = ContextVar("gradpatch_copy_on_write", default=None)
+_install = threading.Lock()
+_pushes: list[Callable[..., Any]] = []  # torch's push, once replaced
+
+
+def _foreign(pack: Callable[..., Any], unpack: Callable[..., Any]) -> bool:
+    """Hooks to compose with: not a checkpoint's own (torch's, whose tensors are recomputed and which
+    finds its caller's hooks itself; gradpatch's)."""
+    return not getattr(pack, "_checkpoint_internal", False) and \
+        not str(getattr(unpack, "__module__", None) or "").startswith("gradpatch.")
+
+
+def _push(pack: Callable[..., Any], unpack: Callable[..., Any]) -> None:
+    cow = _active.get()
+    if cow is not None and _foreign(pack, unpack):
+        pack, unpack = cow.compose(pack, unpack)
+    _pushes[0](pack, unpack)
+
+
+def _compose_pushes() -> None:
+    with _install:
+        if not _pushes:
+            _pushes.append(torch._C._autograd._push_saved_tensors_default_hooks)
+            torch._C._autograd._push_saved_tensors_default_hooks = _push

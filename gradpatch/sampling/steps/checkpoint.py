@@ -16,7 +16,8 @@ hooks must see the recompute inside the graph; compiling), the evaluation runs w
 saved-tensor hooks (:class:`_Frame`): the forward's pack hook returns the saved tensor's position
 (``next`` of a counter: no Python frame), the first unpack in backward recomputes the evaluation once,
 keeping the tensors it saves, in order, and each unpack takes its own; a recompute that saves another
-number of tensors raises. The evaluation the node could not take has run already, with its graph: it is
+number of tensors, or builds another graph (counted and compared as on the node), raises. The evaluation
+the node could not take has run already, with its graph: it is
 kept as it is (a plain evaluation; running it again would draw an explicit ``torch.Generator`` twice and
 repeat its side effects), and the RNG that the fast path rewound is set back to where that run left it.
 Once an evaluation of a ``cache=False`` call needed the hook path, the call's later evaluations take it
@@ -38,6 +39,7 @@ second time.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 from typing import Any, Callable, TypeVar
@@ -48,6 +50,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from gradpatch.checkpointing.compat import autocast_dtype, autocast_enabled
+from gradpatch.checkpointing.sharding import engine_loaded
 from gradpatch.checkpointing.checkpoint import ESCAPED, fast_path
 
 T = TypeVar("T")
@@ -66,7 +69,7 @@ class _Frame:
     """One evaluation: what its recompute needs, and the recomputed tensors while backward uses them."""
 
     __slots__ = ("fn", "args", "kwargs", "rng", "devices", "cuda_rng", "autocast", "counter", "count", "values",
-                 "left", "seen", "pack")
+                 "left", "seen", "pack", "shape")
 
     def __init__(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
         self.fn, self.args, self.kwargs, self.count = fn, args, kwargs, None  # type: int | None
@@ -81,6 +84,18 @@ class _Frame:
         self.values: list[torch.Tensor | None] | None = None
         self.left = 0
         self.seen: dict[Any, tuple[Any, int]] | None = None  # measured: storage -> (weak ref, bytes)
+        self.shape: tuple[int | None, tuple[str, ...]] | None = None  # see run
+
+    def run(self, pack: Callable[[torch.Tensor], Any]) -> Any:
+        """The forward: ``fn`` under this frame's hooks (``pack``), noting the graph it builds (autograd
+        nodes made, the kinds making its outputs) for :meth:`recompute` to compare."""
+        start = _sequence_nr()
+        with torch.autograd.graph.saved_tensors_hooks(pack, self.unpack), _inner_plain():
+            out = self.fn(*self.args, **self.kwargs)
+        # Nodes not counted where a sharding engine may run hooks (FSDP2 registers post-backward nodes in
+        # the forward and not in a recompute during backward): there only the output kinds compare.
+        self.shape = _shape(out, _sequence_nr() - start, self.autocast or engine_loaded())
+        return out
 
     def measuring_pack(self, tensor: torch.Tensor) -> int:
         """The pack hook of :func:`measured`: the position, and the storage noted (once; an address
@@ -122,11 +137,19 @@ class _Frame:
                 torch.cuda.set_rng_state(state, device)
             with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, _never):
                 with _autocast(self.autocast), _inner_plain():
-                    self.fn(*self.args, **self.kwargs)
+                    start = _sequence_nr()
+                    shape = _shape(self.fn(*self.args, **self.kwargs), _sequence_nr() - start,
+                                   self.autocast or self.shape is None or self.shape[0] is None)
         if len(values) != self.count:
             raise RuntimeError(f"checkpoint_steps: a denoiser evaluation saved {self.count} tensors for backward "
                                f"in the forward and {len(values)} when recomputed in backward: it does not run the "
                                "same way twice (a cache filled in the forward?); use checkpoint_steps=False")
+        if self.shape is not None and shape != self.shape:
+            raise RuntimeError(f"checkpoint_steps: a denoiser evaluation built another graph when recomputed in "
+                               f"backward than in its forward ({self.shape[0]} autograd nodes then, {shape[0]} now; "
+                               f"outputs made by {', '.join(self.shape[1])} then, {', '.join(shape[1])} now): it does "
+                               "not run the same way twice (a cache filled in the forward, a scripted function's "
+                               "first run?); use checkpoint_steps=False")
         self.values, self.left = values, len(values)
 
 
@@ -141,6 +164,17 @@ class _autocast:
     def __exit__(self, *exc: Any) -> None:
         for context in reversed(self.contexts):
             context.__exit__(*exc)
+
+
+_sequence_nr: Callable[[], int] = torch._C._autograd._get_sequence_nr  # the thread's next autograd node number
+
+
+def _shape(out: Any, nodes: int, uncounted: Any) -> tuple[int | None, tuple[str, ...]]:
+    """What :meth:`_Frame.recompute` compares: autograd nodes made (unless ``uncounted``: under autocast,
+    whose cast cache may hold the forward's casts of parameters and not the recompute's) and the kinds
+    making the outputs."""
+    return (None if uncounted else nodes), tuple(type(o.grad_fn).__name__ if isinstance(o, torch.Tensor) else "-"
+                                                for o in tree_flatten(out)[0])
 
 
 def _never(packed: Any) -> torch.Tensor:
@@ -168,8 +202,7 @@ def recomputed(fn: Callable[..., T], args: tuple, kwargs: dict, fast: bool) -> t
             _restore_rng(rng)  # the fast path rewound the RNG for a rerun that does not happen
             return (out if structure[0] is None else tree_unflatten(list(out), structure[0])), False
     frame = _Frame(fn, args, kwargs)
-    with torch.autograd.graph.saved_tensors_hooks(frame.pack, frame.unpack), _inner_plain():
-        return fn(*args, **kwargs), False
+    return frame.run(frame.pack), False
 
 
 class _Generators:
@@ -240,7 +273,7 @@ def _reachable_generators(root: Any) -> list[torch.Generator]:
 def _flat_call(fn: Callable[..., Any], structure: list[Any], *args: Any, **kwargs: Any) -> Any:
     """``fn``'s result, as a tensor or a flat tuple (``structure[0]``: how to rebuild it), with
     gradpatch's block checkpoints inside it plain: in the forward and in the recompute."""
-    with _inner_plain():
+    with _inner_plain(), _detached_saves():
         out = fn(*args, **kwargs)
     if isinstance(out, torch.Tensor):
         structure[0] = None
@@ -264,6 +297,19 @@ def _restore_rng(state: tuple[torch.Tensor, list[tuple[int, torch.Tensor]]]) -> 
         torch.cuda.set_rng_state(cuda, device)
 
 
+def _detached_saves() -> Any:
+    """The caller's saved-tensor hooks (``save_on_cpu``), given each tensor detached: hooks that keep the
+    tensor itself (``save_on_cpu`` of a CPU tensor) would keep a saved output's node alive through it, a
+    reference cycle that outlives the graph the fast path drops (the evaluation's whole graph leaked)."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    if hooks is None or getattr(hooks[0], "_checkpoint_internal", False) or \
+            str(getattr(hooks[1], "__module__", None) or "").startswith("gradpatch.") or \
+            not torch._C._autograd._saved_tensors_hooks_is_enabled():
+        return contextlib.nullcontext()  # none, torch's checkpoint's own, gradpatch's own (cycle-free)
+    pack, unpack = hooks
+    return torch.autograd.graph.saved_tensors_hooks(lambda tensor: pack(tensor.detach()), unpack)
+
+
 def _inner_plain() -> Any:
     """gradpatch's fixed checkpoints inside the evaluation run their blocks plainly: the step is
     recomputed as a whole, so a block checkpoint inside it would recompute a second time."""
@@ -279,8 +325,7 @@ def measured(fn: Callable[..., T], *args: Any, **kwargs: Any) -> tuple[T, int]:
     alive (the inputs, parameters, the output) cost nothing more when kept, and each storage counts once."""
     frame = _Frame(_Generators.wrap(fn, args, kwargs), args, kwargs)
     frame.seen = {}
-    with torch.autograd.graph.saved_tensors_hooks(frame.measuring_pack, frame.unpack), _inner_plain():
-        out = frame.fn(*args, **kwargs)
+    out = frame.run(frame.measuring_pack)
     seen, frame.seen = frame.seen, None
     return out, sum(size for ref, size in seen.values() if ref.expired())
 
