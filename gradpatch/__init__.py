@@ -58,6 +58,8 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
+    from types import FrameType
+
     from gradpatch.patching.activation import applied, apply, known_patches, report, revert
     from gradpatch.errors import (ConfigWarning, GradpatchError, GradpatchWarning,
                                   NotDifferentiableError, PatchFailedWarning, RevertWarning,
@@ -90,7 +92,7 @@ from gradpatch.switch import OFF as _OFF, enabled as _enabled  # noqa: E402, F40
 
 def _imported_by_site() -> bool:
     """Whether site.py (a .pth line, or a ``.start`` entry on 3.15+) is importing gradpatch right now."""
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         if frame.f_globals.get("__name__") == "site":
             return True

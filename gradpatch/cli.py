@@ -115,6 +115,7 @@ def _list(args: argparse.Namespace) -> int:
         print(json.dumps([{"patch": p.name, "upstream": p.upstream, "target": p.target, "fixes": p.summary,
                            "requires": p.requires} for p in patches], indent=2))
         return 0
+    rows: Sequence[tuple[str, ...]]
     if args.wide:
         rows = [("patch", "upstream", "target", "fixes")] + [(p.name, p.upstream, p.target, p.summary) for p in patches]
     else:
@@ -145,7 +146,8 @@ def _print_status(args: argparse.Namespace) -> int:
 
     heading = f"gradpatch {gradpatch.__version__} from "
     print(heading + elide(os.path.dirname(gradpatch.__file__), WIDTH - len(heading)))
-    rows = [("patch", "version", "target", "code") if args.wide else ("patch", "version", "code")]
+    rows: list[tuple[str, ...]] = [("patch", "version", "target", "code") if args.wide
+                                   else ("patch", "version", "code")]
     for s in statuses:
         code = str(s["code"]) + (f"; {s['shadowed']}" if s["shadowed"] else "")
         version = str(s["version"] or ("local copy" if s["shadowed"] else "-"))

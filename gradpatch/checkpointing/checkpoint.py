@@ -147,6 +147,8 @@ _TORCH_CHECKPOINT_OPTIONS = ("use_reentrant", "preserve_rng_state", "context_fn"
 class _NonReentrant:
     """What :func:`non_reentrant` returns: a callable that pickles (a nested function would not)."""
 
+    __wrapped__: Callable[..., Any]  # torch's checkpoint, set by functools.update_wrapper
+
     def __init__(self, torch_checkpoint: Callable[..., Any]) -> None:
         functools.update_wrapper(self, torch_checkpoint)
 

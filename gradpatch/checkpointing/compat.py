@@ -31,8 +31,8 @@ except (TypeError, AttributeError):  # torch < 2.4: one function per device
         """``torch.get_autocast_dtype(device)`` for ``"cpu"`` and ``"cuda"``."""
         return torch.get_autocast_cpu_dtype() if device == "cpu" else torch.get_autocast_gpu_dtype()
 else:
-    autocast_enabled = torch.is_autocast_enabled
-    autocast_dtype = torch.get_autocast_dtype
+    autocast_enabled = torch.is_autocast_enabled  # type: ignore[assignment]  # (same call, with a device)
+    autocast_dtype = torch.get_autocast_dtype  # type: ignore[assignment]  # (same call, with a device)
 
 #: Whether torch.compile is tracing the caller (dynamo answers True while tracing).
 is_compiling: Callable[[], bool] = getattr(torch.compiler, "is_compiling", None) or \

@@ -49,7 +49,7 @@ def parameters_as(where: list[tuple[torch.nn.Module, str, Any]]) -> Iterator[Non
     restored as it was (an entry that was absent is removed again), unless something else changed it
     in the meantime (an engine that unregisters and re-registers parameters in the module's forward):
     then that change stays."""
-    absent = object()
+    absent: Any = object()
     swapped = [(m, n, t, m._parameters.get(n, absent)) for m, n, t in where
                if m._parameters.get(n, absent) is not t]
     for m, n, t, _ in swapped:

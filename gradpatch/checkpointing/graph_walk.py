@@ -2,14 +2,16 @@
 reads tensors made elsewhere (:mod:`gradpatch.checkpointing.recompute`)."""
 from __future__ import annotations
 
+from typing import Any, cast
+
 import torch
 from torch import Tensor
 
-_ACCUMULATE_GRAD = type(torch.ones(1, requires_grad=True).mul(1).grad_fn.next_functions[0][0])
+_ACCUMULATE_GRAD: Any = type(cast(Any, torch.ones(1, requires_grad=True).mul(1).grad_fn).next_functions[0][0])
 
 
 def root(t: Tensor) -> Tensor:
-    return t._base if t._is_view() else t
+    return t._base if t._is_view() else t  # type: ignore[return-value]  # (a view has a _base)
 
 
 def aliasing_inputs(outs: tuple, inputs: list[Tensor]) -> bool:
@@ -29,7 +31,7 @@ def sources(roots: list[Tensor], start: int, end: int, inputs: list[Tensor]) -> 
     also depend on a tensor not made by the call (sequence numbers outside ``start``..``end``)
     that is not one of ``inputs``."""
     allowed = {(t.grad_fn, t.output_nr) for t in inputs if t.grad_fn is not None}
-    stack = [t.grad_fn for t in roots]
+    stack: list[Any] = [t.grad_fn for t in roots]
     seen = {None, *stack}
     leaves: list[Tensor] = []
     while stack:  # about 0.2 us a node; kept flat for that

@@ -129,7 +129,7 @@ class _State:
         self.params: list[Tensor] = []  # leaves the outputs depend on, found by _sources
         self.routed: list[int] = []  # positions of the outputs that are the node's
         self.out: Any = None  # handed to Recompute.forward, then dropped: no reference cycle
-        self.bound: list[tuple[torch.nn.Module, str, Tensor]] | None = None  # see rebuild
+        self.bound: list[tuple[torch.nn.Module, str, Tensor | None]] | None = None  # see rebuild
         self.verify: tuple[str, str] | None = None  # see attempt
         self.shape: tuple[int, tuple[str, ...]] | None = None  # the forward's, where verified
         self.cpu_rng = torch.get_rng_state()
@@ -180,8 +180,8 @@ class _State:
         counted = not any(c and autocast_enabled(d) for d, _, c in self.autocast)
         start = sequence_nr()
         out = self.recompute(values)
-        outs = out if isinstance(out, tuple) else (out,)
-        outs = [outs[i] for i in self.routed]
+        every = out if isinstance(out, tuple) else (out,)
+        outs = [every[i] for i in self.routed]
         if self.verify and self.shape is not None and (
                 now := _shape(outs, sequence_nr() - start if counted else self.shape[0])) != self.shape:
             what, instead = self.verify

@@ -201,7 +201,8 @@ class _TooMany(Exception):
 def _global_names(code: types.CodeType) -> tuple[str, ...]:
     names = _NAMES.get(code)
     if names is None:
-        found, stack = set(), [code]
+        found: set[str] = set()
+        stack = [code]
         while stack:
             c = stack.pop()
             found.update(c.co_names)
@@ -231,7 +232,7 @@ def _fsdp_classes() -> tuple[type, ...]:
 
 
 def _classes() -> list[tuple[type, str]]:
-    found = []
+    found: list[tuple[type, str]] = []
     for name in _ENGINE_MODULES[:2]:
         module = sys.modules.get(name)
         fsdp2 = getattr(module, "FSDPModule", None)

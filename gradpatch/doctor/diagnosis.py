@@ -168,7 +168,7 @@ def _reentrant_findings(model: torch.nn.Module, watch: Watch | None, missing, ex
             continue
         explained.update(names)
         caller = call.caller() if call.caller is not None else None
-        if caller in paths and not any(module.children()) and module in set(caller.modules()):
+        if caller is not None and caller in paths and not any(module.children()) and module in set(caller.modules()):
             module, path = caller, paths[caller]  # a single layer checkpointed: name its block
         cause = (f"{type(module).__name__} runs torch's reentrant checkpoint (use_reentrant=True or "
                  f"unspecified), called at {call.where}; "

@@ -9,6 +9,7 @@ import os
 import runpy
 import sys
 import weakref
+from typing import Any
 
 import torch
 
@@ -49,9 +50,15 @@ def run_script(path: str, argv: list[str]) -> None:
         inner = {m for model in found for m in model.modules() if m is not model}
         return [m for m in found if m not in inner]
 
+    def fresh(text: str) -> bool:
+        """Whether ``text`` was not seen yet; it is seen from now on."""
+        new = text not in seen
+        seen.add(text)
+        return new
+
     def report(error: BaseException | None = None) -> str:
         text = "\n".join(str(f) for model in models() for f in explain_grads(model, error, watch).findings
-                         if str(f) not in seen and not seen.add(str(f)))
+                         if fresh(str(f)))
         # A failing backward carries the diagnosis as a note, which its traceback prints: printing it
         # here too would show it twice.
         if text and (error is None or not hasattr(error, "add_note")):
@@ -65,7 +72,7 @@ def run_script(path: str, argv: list[str]) -> None:
 
     original_backward = torch.autograd.backward
 
-    def backward(*args: object, **kwargs: object) -> None:
+    def backward(*args: Any, **kwargs: Any) -> None:
         watch.snapshot(models())
         in_backward[0] += 1
         try:

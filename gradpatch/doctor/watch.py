@@ -24,6 +24,7 @@ import sys
 import threading
 import weakref
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import Any, Iterator
 
 import torch
@@ -104,7 +105,7 @@ def _module_of(function: Any) -> torch.nn.Module | None:
 
 def _caller() -> tuple[str, torch.nn.Module | None]:
     """The first frame outside torch and this module: its ``file:line`` and its ``self`` module."""
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     where, module = "?", None
     while frame is not None:
         path = frame.f_code.co_filename
@@ -147,7 +148,7 @@ def watching() -> Iterator[Watch]:
         with watch.lock:
             watch.cached.append((name, ref))
 
-    ours = classmethod(apply)
+    ours: Any = classmethod(apply)
     cls.apply = ours
     options.cached_call_observers.append(cached)
     try:

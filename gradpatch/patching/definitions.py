@@ -81,6 +81,7 @@ def parse_module(module: ModuleType) -> Parsed:
     if key not in _parsed:
         import inspect
 
+        source: str | None
         try:
             source = inspect.getsource(module)
         except (OSError, TypeError):  # a .pyc without source, a module built in memory

@@ -70,7 +70,7 @@ class Installed(NamedTuple):
         return tuple(f"{module.__name__}.{name}" for module, name in self.rebound)
 
 
-def rebind(original: object, replacement: object, skip: ModuleType,
+def rebind(original: object, replacement: object, skip: object,
            within: str | None = None) -> list[tuple[ModuleType, str]]:
     """Point every module global that is ``original`` at ``replacement``; return where.
 

@@ -119,7 +119,7 @@ class Ledger:
     def family_wanted(self, fixes: frozenset[str]) -> bool:
         """Whether a wanted declared patch uses one of a family's ``fixes``: its copies are wanted then.
         Reads snapshots, without the lock."""
-        patches = self._patches or {}
+        patches: dict[str, Patch] = self._patches or {}
         return any(getattr(patches.get(name), "fix", None) in fixes
                    for name in list(self._wanted) if name not in self._adopted)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 import sys
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
 from gradpatch import settings
 
@@ -95,7 +95,7 @@ def elide(text: str, width: int) -> str:
     return text if len(text) <= width else "..." + text[len(text) - width + 3:]
 
 
-def format_table(rows: list[tuple[str, ...]], *, wide: bool = False, width: int = WIDTH) -> str:
+def format_table(rows: Sequence[tuple[str, ...]], *, wide: bool = False, width: int = WIDTH) -> str:
     """``rows`` (the first one the header) as aligned columns, every line at most ``width`` wide.
 
     The last column is the free text: it wraps under itself, or, when the other columns leave it too

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import atexit
 import sys
-from types import ModuleType
+from types import FrameType, ModuleType
 from typing import Any
 
 from gradpatch import settings
@@ -52,7 +52,7 @@ def between_statements(script: ModuleType) -> bool:
     statements, not inside a library call that imports lazily (such as a forward pass, maybe through
     the very copy to be replaced)."""
     namespace = watcher.namespace(script)
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None and str(frame.f_globals.get("__name__")).startswith(_IMPORT_MACHINERY):
         frame = frame.f_back
     return frame is not None and frame.f_globals is namespace

@@ -2,7 +2,7 @@
 ``-`` or ``_``; a string or any iterable of strings."""
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Any, Iterable
 
 from gradpatch.errors import ConfigWarning, complain
 from gradpatch.patching.patch import Patch
@@ -12,7 +12,7 @@ def name_list(values: Iterable[object], argument: str) -> tuple[str, ...]:
     """Names from ``values``, each a string or an iterable of strings (``apply("a", ["b", "c"])``)."""
     names: list[str] = []
     for value in values:
-        items = [value] if isinstance(value, str) else None
+        items: list[Any] | None = [value] if isinstance(value, str) else None
         if items is None:
             try:
                 items = list(value)  # type: ignore[call-overload]

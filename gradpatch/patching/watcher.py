@@ -69,7 +69,7 @@ if TYPE_CHECKING:
 
 _listener: Listener | None = None  # type: ignore[name-defined]
 _late: set[int] = set()  # specs of imports already running when they were deferred (see defer())
-_MODULE_DICT = ModuleType.__dict__["__dict__"]  # reads a module's dict without __getattribute__
+_MODULE_DICT = vars(ModuleType)["__dict__"]  # reads a module's dict without __getattribute__
 
 
 def namespace(module: object) -> dict | None:

@@ -59,7 +59,7 @@ class FamilyRun(Protocol):
     :class:`~gradpatch.sampling.run.SamplingRun` of the family, its options set) and return the output.
     ``outer`` is the call it joins (rule 3), or None."""
 
-    def __call__(self, run: Any, outer: Any, args: tuple, kwargs: dict) -> Any: ...
+    def __call__(self, run: Any, outer: Any, args: tuple, kwargs: dict, /) -> Any: ...
 
 
 def validate(cache: Any, grad_steps: Any, checkpoint_steps: Any, default_cache: bool) -> tuple[bool, SamplingOptions]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from types import FrameType
 from typing import Any, Callable, Iterable
 
 import torch
@@ -50,7 +51,7 @@ class Measured:
     a block that escaped the fast path takes at once), runs untouched: torch's checkpoint needs its
     own saved-tensor hooks to take effect."""
 
-    def __init__(self, func: Callable[..., Any], block: Any, clock: Callable[[], float],
+    def __init__(self, func: Any, block: Any, clock: Callable[[], float],
                  held: set) -> None:
         self.__self__, self.__func__, self.__name__ = func.__self__, func.__func__, func.__name__
         self.func, self.block, self.clock, self.held = func, block, clock, held
@@ -94,7 +95,7 @@ class Measured:
         return out
 
 
-def measure(block: Any, func: Callable[..., Any], args: tuple, kwargs: dict | None) -> Any:
+def measure(block: Any, func: Any, args: tuple, kwargs: dict | None) -> Any:
     values = args if kwargs is None else (*args, *kwargs.values())
     owner = func.__self__
     held = {_storage(t)[0] for t in (*[v for v in values if isinstance(v, Tensor)],
@@ -199,7 +200,7 @@ def _weak(t: Tensor) -> Any:
 
 def _inside_torch_checkpoint() -> bool:
     """Whether ``torch.utils.checkpoint`` is running the caller (frames up to :func:`measure`)."""
-    frame = sys._getframe(2)
+    frame: FrameType | None = sys._getframe(2)
     while frame is not None and frame.f_code is not measure.__code__:
         if frame.f_code.co_filename.endswith(_TORCH_CHECKPOINT):
             return True

@@ -81,7 +81,7 @@ class Planner:
         self.count = self.epoch = 0
         self.solved_for: int | None = None  # the budget of the current plan; None: none
         self.kept_for: int | None = None  # the budget the blocks' keep flags were chosen for
-        self.plans: dict[int, list[tuple[Block, bool]]] = {}  # budget -> plan, current blocks
+        self.plans: dict[int, list[tuple[Block, bool, int]]] = {}  # budget -> plan, current blocks
         self.lock = threading.Lock()
 
     def block(self, owner: torch.nn.Module, key: tuple) -> Block:

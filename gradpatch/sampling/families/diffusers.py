@@ -106,11 +106,11 @@ class _Hierarchy:
         self.touched: list[tuple[type, str, object, object]] = []
 
         def __init_subclass__(cls: type, **kwargs: Any) -> None:
-            super(base, cls).__init_subclass__(**kwargs)
+            super(base, cls).__init_subclass__(**kwargs)  # type: ignore[arg-type]  # (base is a class)
             if self.active:
                 self.patch_class(cls)
 
-        self.hook = classmethod(__init_subclass__)
+        self.hook: Any = classmethod(__init_subclass__)
 
     def _set(self, cls: type, name: str, original: Any, replacement: Any) -> None:
         replacement.__gradpatch_original__ = original
@@ -132,7 +132,9 @@ class _Hierarchy:
                 self._set(cls, name, value, _helper(value, body))
 
     def install(self) -> None:
-        pending, seen = [self.base], set()
+        pending = [self.base]
+        seen: set[type] = set()
+        cls: type
         while pending:
             for cls in pending.pop().__subclasses__():
                 if cls not in seen:

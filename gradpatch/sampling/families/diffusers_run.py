@@ -122,11 +122,12 @@ class _Steps:
         if self.start is None:
             if getattr(self.scheduler, "timesteps", None) is None:
                 raise RuntimeError(f"grad_steps: {self.name} has no pipe.scheduler with timesteps set")
+            assert self.scheduler is not None  # (checked just above)
             self.timesteps = torch.as_tensor(self.scheduler.timesteps).detach().cpu()
             self.start = getattr(self.scheduler, "begin_index", None)
             if not isinstance(self.start, int):
                 t = None if hasattr(self.scheduler, "set_begin_index") else _timestep(forward, args, kwargs)
-                hits = (self.timesteps == t).nonzero() if t is not None else []
+                hits: torch.Tensor | list[int] = (self.timesteps == t).nonzero() if t is not None else []
                 self.start = int(hits[0]) if len(hits) else 0
         if self.start + self.done >= len(self.timesteps):
             raise RuntimeError(f"grad_steps: a denoiser call after the last of {len(self.timesteps)} steps; "

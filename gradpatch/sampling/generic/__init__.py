@@ -6,7 +6,7 @@ from typing import Any
 
 
 def __getattr__(name: str) -> Any:
-    # gradpatch.sampling.generic was a module before it was this package (one release): its names
+    # gradpatch.sampling.generic.call was a module before it was this package (one release): its names
     # (make, patched, call, ...) come from gradpatch.sampling.generic.call, with a DeprecationWarning.
     if name.startswith("__"):
         raise AttributeError(name)

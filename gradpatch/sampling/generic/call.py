@@ -19,7 +19,7 @@ import functools
 import inspect
 import sys
 import types
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, cast
 
 import torch
 
@@ -58,6 +58,7 @@ class Sampler:
         self.user = False  # the callable form: without step=, grad_steps/checkpoint_steps may be left to a
         # catalogued sampler the call reaches (gradpatch.sampling.contract, rule 3)
         self.codes = codes(fn)
+        self.signature: inspect.Signature | None
         try:
             self.signature = inspect.signature(fn)
         except (TypeError, ValueError):
@@ -216,8 +217,9 @@ def call(sampler: Sampler, original: Callable[..., Any], args: tuple, kwargs: di
             if target is not None:  # the step's shadow, only while the sampler runs (not between a generator's items)
                 stack.enter_context(shadow(*target, stepped_odeint if ode else _stepped))
             stack.enter_context(state.active())
-            if torch._C._autograd._saved_tensors_hooks_is_enabled():  # off under torch.func.grad and
-                stack.enter_context(cow.hooks())  # disable_saved_tensors_hooks: no copy on write (torch's check)
+            # Off under torch.func.grad and disable_saved_tensors_hooks: no copy on write (torch's check).
+            if torch._C._autograd._saved_tensors_hooks_is_enabled():  # type: ignore[attr-defined]  # (C binding)
+                stack.enter_context(cow.hooks())
             stack.enter_context(cow)
             stack.enter_context(torch.set_grad_enabled(grad))  # puts the caller's mode back (grad_steps cuts)
             yield
@@ -267,7 +269,7 @@ _MACHINERY = frozenset({__file__, contract.__file__})  # call behind torch.compi
 
 def _caller_frame() -> Any:
     """The frame that called the differentiable callable: the first outside this module and the contract."""
-    frame = sys._getframe(2)
+    frame: types.FrameType | None = sys._getframe(2)
     while frame is not None and frame.f_code.co_filename in _MACHINERY:
         frame = frame.f_back
     return frame
@@ -323,10 +325,12 @@ class Differentiable:
     copy) holds one bound to the copy (``step`` through the same memo); pickle, dill and cloudpickle
     rebuild it from ``fn`` and the options, or by name where the string form installed it."""
 
+    __qualname__: str  # fn's, set by functools.update_wrapper
+
     def __init__(self, fn: Callable[..., Any], step: Any = None, steps: Any = None, cache: bool = False,
                  where: str | None = None) -> None:
         functools.update_wrapper(self, fn)
-        where = where or getattr(fn, "__qualname__", repr(fn))
+        where = where or cast(str, getattr(fn, "__qualname__", repr(fn)))
         self._made = (fn, step, steps, cache, where)
         self._owner = owner = getattr(fn, "__self__", None)
         sampler = Sampler(fn, step, steps, where)

@@ -38,7 +38,7 @@ import sys
 import threading
 from contextvars import ContextVar
 from types import CodeType, FrameType
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch.autograd import grad_mode
@@ -151,7 +151,7 @@ def _lift(frame: FrameType, what: str, *, check_fresh: bool = True) -> bool:
     return True
 
 
-_ORIGINAL = {
+_ORIGINAL: dict[str, Callable[..., Any]] = {
     "no_grad.__enter__": grad_mode.no_grad.__enter__, "no_grad.__exit__": grad_mode.no_grad.__exit__,
     "inference_mode.__enter__": grad_mode.inference_mode.__enter__,
     "inference_mode.__exit__": grad_mode.inference_mode.__exit__,

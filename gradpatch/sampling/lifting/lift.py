@@ -242,8 +242,9 @@ def lift_no_grad(fn: object) -> FunctionType:
         if not lifter.removed:
             raise LiftError(f"{raw.__qualname__} has no `with torch.no_grad():` or `torch.inference_mode()` "
                             "block in its body to lift")
-        code = _compile(parsed, node).replace(co_qualname=raw.__code__.co_qualname) \
-            if sys.version_info >= (3, 11) else _compile(parsed, node)
+        code = _compile(parsed, node)
+        if sys.version_info >= (3, 11):
+            code = code.replace(co_qualname=raw.__code__.co_qualname)
         _lifted_code[id(raw.__code__)] = code
     cells = dict(zip(raw.__code__.co_freevars, raw.__closure__ or ()))
     missing = [name for name in code.co_freevars if name not in cells]

@@ -265,8 +265,9 @@ def _reachable_generators(root: Any) -> list[torch.Generator]:
                     todo.append((cell.cell_contents, depth + 1))
                 except ValueError:  # an empty cell
                     pass
-            if isinstance(obj, _Generators):
-                todo.append((obj.fn, depth + 1))
+            inner = getattr(obj, "fn", None)  # gradpatch's own wrappers (_Generators, inputs.AsWas)
+            if callable(inner) and type(obj).__module__.startswith("gradpatch."):
+                todo.append((inner, depth + 1))
     return list(found.values())
 
 

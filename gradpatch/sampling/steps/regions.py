@@ -36,7 +36,7 @@ class Regions:
 
 
 _current: ContextVar[Regions | None] = ContextVar("gradpatch_grad_regions", default=None)
-_ORIGINAL = {"__enter__": grad_mode.enable_grad.__enter__, "__exit__": grad_mode.enable_grad.__exit__}
+_ORIGINAL: dict[str, Callable[..., Any]] = {"__enter__": grad_mode.enable_grad.__enter__, "__exit__": grad_mode.enable_grad.__exit__}
 
 
 def _enter(self: Any) -> None:

@@ -79,6 +79,7 @@ class Window(TorchFunctionMode):
 
     def _at_top(self) -> bool:
         """Whether the code is back at the top of the loop that called step N-K-1 (module docstring)."""
+        frame: FrameType | None
         child, frame = None, sys._getframe(2)
         for _ in range(4 * _DEPTH):
             if frame is None:
