@@ -56,7 +56,8 @@ class Saved:
     __slots__ = ("tensor", "version", "copy", "__weakref__")
 
     def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor, self.version, self.copy = tensor, tensor._version, None
+        self.tensor, self.version = tensor, tensor._version
+        self.copy: torch.Tensor | None = None
 
     def value(self) -> torch.Tensor:
         if self.copy is not None:
@@ -83,7 +84,8 @@ class Through:
     __slots__ = ("ref", "version", "key", "copy", "__weakref__")
 
     def __init__(self, tensor: torch.Tensor) -> None:
-        self.ref, self.version, self.key, self.copy = weakref.ref(tensor), tensor._version, _key(tensor), None
+        self.ref, self.version, self.key = weakref.ref(tensor), tensor._version, _key(tensor)
+        self.copy: torch.Tensor | None = None
 
     def protect(self) -> None:
         tensor = self.ref()
@@ -236,4 +238,4 @@ def _compose_pushes() -> None:
     with _install:
         if not _pushes:
             _pushes.append(torch._C._autograd._push_saved_tensors_default_hooks)
-            torch._C._autograd._push_saved_tensors_default_hooks = _push
+            torch._C._autograd._push_saved_tensors_default_hooks = _push  # type: ignore[assignment]

@@ -72,7 +72,8 @@ class _Frame:
                  "left", "seen", "pack", "shape")
 
     def __init__(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
-        self.fn, self.args, self.kwargs, self.count = fn, args, kwargs, None  # type: int | None
+        self.fn, self.args, self.kwargs = fn, args, kwargs
+        self.count: int | None = None
         self.counter = itertools.count()
         # The forward's pack hook: the saved tensor's position, from C (no Python frame per tensor).
         self.pack: Callable[[torch.Tensor], int] = functools.partial(next, self.counter)  # type: ignore[arg-type]
@@ -305,7 +306,7 @@ def _detached_saves() -> Any:
     hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
     if hooks is None or getattr(hooks[0], "_checkpoint_internal", False) or \
             str(getattr(hooks[1], "__module__", None) or "").startswith("gradpatch.") or \
-            not torch._C._autograd._saved_tensors_hooks_is_enabled():
+            not torch._C._autograd._saved_tensors_hooks_is_enabled():  # type: ignore[attr-defined]
         return contextlib.nullcontext()  # none, torch's checkpoint's own, gradpatch's own (cycle-free)
     pack, unpack = hooks
     return torch.autograd.graph.saved_tensors_hooks(lambda tensor: pack(tensor.detach()), unpack)
