@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, last_json, run_python
+from support import ROOT, last_json, run_python
 
 PROBE = """
 import json, sys, warnings

@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch")
 
 from gradpatch.patching.activation import known_patches  # noqa: E402
 from gradpatch.patching.hooks import resolve  # noqa: E402
-from conftest import assert_grads_close  # noqa: E402
+from support import assert_grads_close  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 C, T, STEPS, EMBED = 2, 8, 3, 16

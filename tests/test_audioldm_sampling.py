@@ -26,7 +26,7 @@ from gradpatch.sampling import run as sampling
 from gradpatch.sampling.families import ldm as ldm_sampling  # noqa: E402
 from gradpatch.sampling.families.diffusers import NotDifferentiableError  # noqa: E402
 from gradpatch.testing import audioldm_cond, audioldm_ldm  # noqa: E402
-from conftest import Interleaved, assert_grads_close  # noqa: E402
+from support import Interleaved, assert_grads_close  # noqa: E402
 
 from audioldm.latent_diffusion.ddim import DDIMSampler  # noqa: E402
 from audioldm.ldm import LatentDiffusion  # noqa: E402

@@ -15,7 +15,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import gradpatch
-from conftest import last_json, run_python
+from support import last_json, run_python
 from gradpatch import settings
 from gradpatch.checkpointing import budget
 from gradpatch.checkpointing.budget import knapsack

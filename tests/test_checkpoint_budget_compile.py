@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from conftest import last_json, run_python
+from support import last_json, run_python
 
 SCRIPT = '''
 import json, warnings

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import ROOT, last_json, run_python
+from support import ROOT, last_json, run_python
 
 pytestmark = pytest.mark.slow
 

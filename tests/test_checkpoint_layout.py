@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import last_json, run_python
+from support import last_json, run_python
 
 PACKAGE = Path(__file__).resolve().parents[1] / "gradpatch" / "checkpointing"
 MOVED = {"_paths": "paths", "_recompute": "recompute", "_graph_walk": "graph_walk",

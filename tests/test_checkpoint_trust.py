@@ -24,7 +24,7 @@ import torch.nn as nn
 from torch.testing import assert_close
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
-from conftest import ROOT, last_json
+from support import ROOT, last_json
 from gradpatch.checkpointing import compat
 from gradpatch.checkpointing import checkpoint as ck
 

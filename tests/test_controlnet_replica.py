@@ -31,7 +31,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import gradpatch  # noqa: E402
-from conftest import assert_grads_close, weighted_grads  # noqa: E402
+from support import assert_grads_close, weighted_grads  # noqa: E402
 from ldm_reference import cpu_buffers, first_calls_without_grad, replaced, undecorated  # noqa: E402
 
 pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.filterwarnings(

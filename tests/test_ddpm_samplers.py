@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("denoising_diffusion_pytorch")
 
 import gradpatch  # noqa: E402
-from conftest import assert_grads_close, upstream_method, weighted_grads  # noqa: E402
+from support import assert_grads_close, upstream_method, weighted_grads  # noqa: E402
 from gradpatch.testing import reinit_zero_weights  # noqa: E402
 
 pytestmark = [pytest.mark.upstream_wave, pytest.mark.usefixtures("single_thread")]

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT
+from support import ROOT
 
 pytestmark = pytest.mark.slow
 

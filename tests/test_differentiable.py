@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import foreign_samplers as fs  # noqa: E402
 
 import gradpatch  # noqa: E402
-from conftest import assert_grads_equal, last_json, run_python  # noqa: E402
+from support import assert_grads_equal, last_json, run_python  # noqa: E402
 
 
 def euler(net, x, mu, steps, detach_at=None):
@@ -283,7 +283,7 @@ def test_string_target_patched_when_imported(tmp_path):
 def test_a_concurrent_upstream_call_in_another_thread_is_unaffected():
     """Thread A pauses inside a differentiable call (torch's managers patched at class level meanwhile)
     while thread B runs upstream's decorated sampler: B gets no graph and its own eval(), A its graph."""
-    from conftest import Interleaved
+    from support import Interleaved
 
     a, b = make(fs.EveryLevel), make(fs.EveryLevel)
     a.train(), b.train()

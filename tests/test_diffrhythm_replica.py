@@ -20,7 +20,7 @@ pytest.importorskip("torchdiffeq")
 
 from torchdiffeq import odeint  # noqa: E402  (the replica's module global, as in DiffRhythm)
 
-from conftest import assert_grads_close  # noqa: E402
+from support import assert_grads_close  # noqa: E402
 from gradpatch.patching import catalogue  # noqa: E402
 from gradpatch.patching.activation import known_patches  # noqa: E402
 from gradpatch.patching.hooks import resolve  # noqa: E402

@@ -16,7 +16,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from conftest import assert_grads_close  # noqa: E402
+from support import assert_grads_close  # noqa: E402
 import gradpatch  # noqa: E402
 from gradpatch.patching import catalogue  # noqa: E402
 from gradpatch.patching.activation import known_patches  # noqa: E402

@@ -25,7 +25,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("e2_tts_pytorch")
 
 import gradpatch  # noqa: E402
-from conftest import BackgroundCheck, assert_grads_equal, pypi_release, pypi_wheels, upstream_method  # noqa: E402
+from support import BackgroundCheck, assert_grads_equal, pypi_release, pypi_wheels, upstream_method  # noqa: E402
 from gradpatch.patching.activation import known_patches  # noqa: E402
 from gradpatch.patching.fingerprint import fingerprint_module, fingerprint_source  # noqa: E402
 from gradpatch.sampling import run as sampling  # noqa: E402

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 
-from conftest import FAKE_UTIL, last_json, run_python
+from support import FAKE_UTIL, last_json, run_python
 
 REPORT = "[r.as_dict() for r in gradpatch.report()]"
 

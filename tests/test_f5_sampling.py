@@ -33,7 +33,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("f5_tts")
 
 import gradpatch  # noqa: E402
-from conftest import (BackgroundCheck, Interleaved, assert_grads_equal, pypi_release, pypi_wheels,  # noqa: E402
+from support import (BackgroundCheck, Interleaved, assert_grads_equal, pypi_release, pypi_wheels,  # noqa: E402
                       upstream_method)
 from gradpatch.testing import f5_cfm, f5_inputs  # noqa: E402
 from gradpatch.patching.fingerprint import fingerprint_module, fingerprint_source  # noqa: E402

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import last_json, pypi_release, run_python
+from support import last_json, pypi_release, run_python
 
 pytestmark = pytest.mark.slow
 

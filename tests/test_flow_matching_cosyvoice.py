@@ -18,7 +18,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from conftest import assert_grads_close  # noqa: E402
+from support import assert_grads_close  # noqa: E402
 from gradpatch.patching.activation import known_patches  # noqa: E402
 from gradpatch.patching.hooks import resolve  # noqa: E402
 

@@ -24,7 +24,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import gradpatch  # noqa: E402
-from conftest import run_python, upstream_method  # noqa: E402
+from support import run_python, upstream_method  # noqa: E402
 from gradpatch import testing_flow  # noqa: E402
 
 pytestmark = [pytest.mark.upstream_wave, pytest.mark.usefixtures("single_thread")]

@@ -48,7 +48,7 @@ def _import_offline() -> Any:
 imagen_pytorch = _import_offline()
 
 import gradpatch  # noqa: E402
-from conftest import assert_grads_close, upstream_method, weighted_grads  # noqa: E402
+from support import assert_grads_close, upstream_method, weighted_grads  # noqa: E402
 from gradpatch.testing import reinit_zero_weights  # noqa: E402
 
 pytestmark = [pytest.mark.upstream_wave, pytest.mark.usefixtures("single_thread")]

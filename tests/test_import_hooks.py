@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import BLOCK_STEP, CHECKPOINTED_BLOCK as BLOCK, last_json, run_python
+from support import BLOCK_STEP, CHECKPOINTED_BLOCK as BLOCK, last_json, run_python
 
 pytestmark = pytest.mark.slow
 

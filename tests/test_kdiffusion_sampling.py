@@ -34,7 +34,7 @@ with warnings.catch_warnings():
     K = pytest.importorskip("k_diffusion")
 
 import gradpatch  # noqa: E402
-from conftest import (BackgroundCheck, Interleaved, assert_grads_equal, last_json, pypi_release,  # noqa: E402
+from support import (BackgroundCheck, Interleaved, assert_grads_equal, last_json, pypi_release,  # noqa: E402
                       pypi_wheels, run_python)
 from saved_memory import saved_bytes_at_backward  # noqa: E402
 from gradpatch.patching.activation import known_patches  # noqa: E402

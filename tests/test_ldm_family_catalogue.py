@@ -17,7 +17,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import gradpatch  # noqa: E402
-from conftest import pypi_release, run_python  # noqa: E402
+from support import pypi_release, run_python  # noqa: E402
 from gradpatch.patching import catalogue  # noqa: E402
 from gradpatch.patching.activation import known_patches  # noqa: E402
 from gradpatch.patching.fingerprint import fingerprint_source  # noqa: E402

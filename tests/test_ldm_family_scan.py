@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import last_json, run_python
+from support import last_json, run_python
 
 pytestmark = pytest.mark.slow
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, run_python
+from support import ROOT, run_python
 
 README = (ROOT / "README.md").read_text(encoding="utf-8")
 WIDTH = 100

@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT
+from support import ROOT
 
 README = (ROOT / "README.md").read_text(encoding="utf-8")
 SECTION = README[README.index("## With your training stack"):]

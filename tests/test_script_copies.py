@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, assert_grads_close
+from support import ROOT, assert_grads_close
 
 pytestmark = pytest.mark.slow
 

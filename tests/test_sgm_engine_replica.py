@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 
 from gradpatch.patching.activation import known_patches  # noqa: E402
 from gradpatch.patching.hooks import resolve  # noqa: E402
-from conftest import assert_grads_close  # noqa: E402
+from support import assert_grads_close  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 C, H = 2, 4

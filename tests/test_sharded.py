@@ -199,7 +199,7 @@ def run_python_single_rank(tmp_path):
     """One gloo rank in a fresh interpreter: what ``sharded_inside`` says about a BasicTransformerBlock
     with FSDP2 on its attention modules, on a block that is itself the FSDP2 unit, and with a parameter
     carrying ZeRO-3's ``ds_id``."""
-    from conftest import last_json, run_python
+    from support import last_json, run_python
 
     pytest.importorskip("deepspeed")
     return last_json(run_python(f"""

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import BackgroundCheck, pypi_release
+from support import BackgroundCheck, pypi_release
 
 pytestmark = pytest.mark.slow
 

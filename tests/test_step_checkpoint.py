@@ -16,7 +16,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import gradpatch
-from conftest import assert_grads_close
+from support import assert_grads_close
 from gradpatch.sampling.steps import budget as _step_budget, checkpoint as _step_checkpoint
 from gradpatch.sampling.options import SamplingOptions
 from gradpatch.sampling.run import differentiable, run_step

@@ -21,7 +21,7 @@ import gradpatch  # noqa: E402
 from gradpatch.patching import catalogue  # noqa: E402
 from gradpatch.patching.activation import known_patches  # noqa: E402
 from gradpatch.testing import reinit_zero_weights  # noqa: E402
-from conftest import assert_grads_close  # noqa: E402
+from support import assert_grads_close  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 STEPS = 3

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from conftest import last_json, run_python
+from support import last_json, run_python
 
 REPORT = "[(r.patch, r.status.value, r.reason) for r in gradpatch.report()]"
 

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import foreign_samplers as fs  # noqa: E402
 
 import gradpatch  # noqa: E402
-from conftest import assert_grads_close, last_json, run_python, weighted_grads  # noqa: E402
+from support import assert_grads_close, last_json, run_python, weighted_grads  # noqa: E402
 from gradpatch.sampling import run as runner  # noqa: E402
 
 SHADOWED = {"forward", "eval", "clear_cache", "__getstate__"}

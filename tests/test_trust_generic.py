@@ -18,7 +18,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import gradpatch  # noqa: E402
-from conftest import assert_grads_close, weighted_grads  # noqa: E402
+from support import assert_grads_close, weighted_grads  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 N = 4

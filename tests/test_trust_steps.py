@@ -8,7 +8,7 @@ torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
 import gradpatch  # noqa: E402
-from conftest import assert_grads_close, weighted_grads  # noqa: E402
+from support import assert_grads_close, weighted_grads  # noqa: E402
 
 N = 4
 
