@@ -30,7 +30,7 @@ def test_wheel_ships_the_catalogue_and_the_startup_files(built):
             "gradpatch/patches/__init__.py", "gradpatch/patches/audioldm.py"} <= names
     assert not any(name.startswith(("tests/", "patches/", "startup/")) for name in names)
     sdist = {Path(n).relative_to(Path(n).parts[0]).as_posix() for n in tarfile.open(built["sdist"]).getnames()[1:]}
-    assert {"patches/audioldm.py", "startup/gradpatch.pth", "tests/test_engine.py", "pyproject.toml"} <= sdist
+    assert {"patches/audioldm.py", "startup/gradpatch.pth", "tests/patching/test_engine.py", "pyproject.toml"} <= sdist
 
 
 def test_wheel_installs_activates_and_uninstalls_cleanly(built, tmp_path, fake_upstream):

@@ -10,7 +10,7 @@ checkpoint instead (bfloat16 mixed precision). ``variant``: ``upstream`` runs up
 (gradpatch reverted) to show it failing; ``torch`` runs torch's non-reentrant checkpoint, which
 gradpatch must never be worse than.
 
-Run alone: ``python -m pytest -m distributed tests/test_sharded.py``.
+Run alone: ``python -m pytest -m distributed tests/checkpointing/test_sharded.py``.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPTS = Path(__file__).with_name("scripts")
+SCRIPTS = Path(__file__).parents[1] / "scripts"
 EXACT = 1e-6  # relative, float64 (DeepSpeed hands gradients back in float32 buffers: ~1e-7)
 BF16 = 2e-2  # relative, gradpatch against torch's checkpoint under the same bfloat16 policy
 TENSORS = {("audioldm", "attn2"): 20, ("audioldm", "all"): 210, ("f5", "all"): 43, ("f5", "attn"): 16}

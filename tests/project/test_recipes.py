@@ -33,7 +33,7 @@ from support import ROOT
 README = (ROOT / "README.md").read_text(encoding="utf-8")
 SECTION = README[README.index("## With your training stack"):]
 SECTION = SECTION[:SECTION.index("\n## ", 1)]
-RECIPES = dict(re.findall(r"<!-- not run: tests/test_recipes.py runs it \(recipe ([a-z0-9-]+)\)[^>]*-->\n"
+RECIPES = dict(re.findall(r"<!-- not run: tests/project/test_recipes.py runs it \(recipe ([a-z0-9-]+)\)[^>]*-->\n"
                           r"```python\n(.*?)```", SECTION, re.S))
 
 RECORD = '''

@@ -11,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 np = pytest.importorskip("numpy")
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[1]))
 import foreign_samplers as fs  # noqa: E402
 
 import gradpatch  # noqa: E402
@@ -276,7 +276,7 @@ def test_string_target_patched_when_imported(tmp_path):
         graph = [model.sample(x, x).requires_grad, model.sample(x, x, cache=False, grad_steps=1).requires_grad]
         gradpatch.revert()
         print(json.dumps([statuses, graph, fs.InBody.sample is original]))
-    """, pythonpath=[Path(__file__).parent])
+    """, pythonpath=[Path(__file__).parents[1]])
     assert last_json(result) == [["deferred", "applied"], [False, True], True]
 
 

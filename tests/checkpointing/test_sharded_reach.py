@@ -4,7 +4,7 @@ object holding them), and the ``budget:<size>`` plan's report of blocks holding 
 
 The distributed test is one launch of ``scripts/sharded_reach.py`` (gloo, 2 ranks, CPU, float64): two
 SGD steps per case against one process on the whole batch without checkpointing. Run alone:
-``python -m pytest -m distributed tests/test_sharded_reach.py``.
+``python -m pytest -m distributed tests/checkpointing/test_sharded_reach.py``.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import torch
 
 from gradpatch.checkpointing.sharding import modules_of
 
-SCRIPTS = Path(__file__).with_name("scripts")
+SCRIPTS = Path(__file__).parents[1] / "scripts"
 CASES = ("partial_list", "closure_list", "global_list", "global_module", "holder")
 EXACT = 1e-9  # relative, float64
 

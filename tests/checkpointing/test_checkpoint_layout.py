@@ -13,7 +13,7 @@ import pytest
 
 from support import last_json, run_python
 
-PACKAGE = Path(__file__).resolve().parents[1] / "gradpatch" / "checkpointing"
+PACKAGE = Path(__file__).resolve().parents[2] / "gradpatch" / "checkpointing"
 MOVED = {"_paths": "paths", "_recompute": "recompute", "_graph_walk": "graph_walk",
          "_graph_path": "graph_path", "_sharding": "sharding", "_compat": "compat",
          "_measure": "budget.measure", "_block_key": "budget.key", "_budget_compile": "budget.compiled"}

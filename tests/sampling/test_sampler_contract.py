@@ -23,7 +23,7 @@ from typing import Any, Callable
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[1]))
 
 import gradpatch  # noqa: E402
 from gradpatch import settings, testing, testing_flow  # noqa: E402

@@ -14,7 +14,7 @@ import gradpatch
 from gradpatch.testing import audioldm_batch, audioldm_unet
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
-SCRIPT = Path(__file__).with_name("scripts") / "ddp_audioldm.py"
+SCRIPT = Path(__file__).parents[1] / "scripts" / "ddp_audioldm.py"
 
 
 def test_ddp_gradients_equal_a_single_process_run_on_the_whole_batch(tmp_path):

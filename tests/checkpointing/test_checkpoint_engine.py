@@ -3,7 +3,7 @@
 In a fresh interpreter, each real upstream UNet (AudioLDM and AudioLDM2 V1, ldm from
 stable-diffusion-sdkit V2, guided-diffusion-sdk V3) trains with each frozen subset, and every
 parameter's gradient equals the same model's with no recomputation at all (policy ``never``) to rtol
-1e-5. ``tests/test_checkpoint_upstream.py`` shows upstream failing on the same scenarios.
+1e-5. ``tests/checkpointing/test_checkpoint_upstream.py`` shows upstream failing on the same scenarios.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 
 SCRIPT = f"""
 import json, sys
-sys.path.insert(0, {str(ROOT / "tests")!r})
+sys.path[:0] = [{str(ROOT / "tests" / "checkpointing")!r}, {str(ROOT / "tests")!r}]
 import torch
 import gradpatch
 from test_checkpoint_upstream import TARGETS, assert_grads_equal, freeze, step

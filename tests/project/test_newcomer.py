@@ -82,7 +82,7 @@ def test_the_license_ships_and_the_sdist_holds_what_make_demo_and_the_tests_need
     assert "License-Expression: MIT" in wheel.read("gradpatch-0.1.0.dist-info/METADATA").decode()
     names = {n.split("/", 1)[1] for n in tarfile.open(next(tmp_path.glob("*.tar.gz"))).getnames() if "/" in n}
     assert {"LICENSE", "Makefile", "examples/finetune_audioldm.py", "requirements/test.txt",
-            "requirements/upstream.txt", "tests/test_newcomer.py", "notebooks/audioldm_cross_attention.ipynb",
+            "requirements/upstream.txt", "tests/project/test_newcomer.py", "notebooks/audioldm_cross_attention.ipynb",
             ".ci/run"} <= names
 
 

@@ -9,7 +9,7 @@ import sys
 import warnings
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 OURS = ("gradpatch", "patches")
 #: A namedtuple's public API, spelled with an underscore.
 NAMEDTUPLE = {"_replace", "_fields", "_asdict", "_make", "_field_defaults"}

@@ -17,7 +17,7 @@ import pytest
 torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[1]))
 import foreign_samplers as fs  # noqa: E402
 
 import gradpatch  # noqa: E402
