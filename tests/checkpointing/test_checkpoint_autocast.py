@@ -16,7 +16,7 @@ from torch.testing import assert_close
 
 import gradpatch
 from gradpatch.checkpointing import budget, paths
-from test_checkpoint_upstream import TARGETS, assert_grads_equal, build, freeze, install
+from checkpoint_models import TARGETS, assert_grads_equal, build, freeze, install
 
 AUDIOLDM = TARGETS["audioldm"]
 POLICIES = ["respect", "budget"]

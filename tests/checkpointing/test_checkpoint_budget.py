@@ -20,7 +20,7 @@ from gradpatch import settings
 from gradpatch.checkpointing import budget
 from gradpatch.checkpointing.budget import knapsack
 from gradpatch.patching import patch as registry
-from test_checkpoint_upstream import TARGETS, assert_grads_equal, build, freeze, install, step
+from checkpoint_models import TARGETS, allocated_after_forward, assert_grads_equal, build, freeze, install, step
 
 AUDIOLDM = TARGETS["audioldm"]
 
@@ -107,13 +107,6 @@ def test_knapsack_is_optimal_and_within_budget():
 def test_knapsack_beats_greedy_by_time_per_byte():
     items = [knapsack.Item(60, 6.0), knapsack.Item(50, 4.9), knapsack.Item(50, 4.9)]
     assert knapsack.choose(items, 100) == [False, True, True]  # greedy would take only the first
-
-
-def allocated_after_forward(model, x) -> int:
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        out = AUDIOLDM.call(model, x)
-    del out
-    return sum(e.self_cpu_memory_usage for e in prof.events())
 
 
 def step_peak(model, x) -> int:

@@ -11,41 +11,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 import gradpatch
 from gradpatch.checkpointing import budget
 from gradpatch.checkpointing.budget import key, planner
-from gradpatch.checkpointing.checkpoint import checkpoint
 
-
-class Block(torch.nn.Module):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.linear = torch.nn.Linear(width, width)
-        self.drop = torch.nn.Dropout(0.1)
-
-    def forward(self, x):
-        return checkpoint(self._forward, (x,), self.parameters(), True)
-
-    def _forward(self, x):
-        return self.drop(torch.tanh(self.linear(x))).sigmoid()
-
-
-def chain(n: int = 8, width: int = 128) -> torch.nn.Sequential:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(*[Block(width) for _ in range(n)])
-
-
-def extra(model, x, policy: str, autocast: bool = False) -> int:
-    """Bytes still allocated after the forward and the loss (allocator events; autocast's cached
-    weight casts freed)."""
-    with gradpatch.checkpoint_policy_scope(policy), \
-            profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof, \
-            torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-        loss = model(x).mean()  # saves nothing: the last output is held only by its own graph
-    del loss
-    return sum(e.self_cpu_memory_usage for e in prof.events())
+from checkpoint_models import Block, chain, extra
 
 
 def train(model, x, policy: str, steps: int, autocast: bool = False) -> list:
@@ -98,8 +69,7 @@ def test_real_audioldm_unet_keeps_its_budget(fraction, monkeypatch):
     one checkpointed, dropout on): the kept extra stays within the budget and ``checkpoint_plan()``
     says it within 5%, whichever blocks the measured times choose. With every byte worth the same
     time (seconds pinned to bytes: no timing), the plan fills at least 90% of the budget."""
-    from test_checkpoint_budget import allocated_after_forward
-    from test_checkpoint_upstream import TARGETS, build, install, step
+    from checkpoint_models import TARGETS, allocated_after_forward, build, install, step
 
     target = TARGETS["audioldm"]
     model, x = build(target, dropout=0.1).train(), torch.randn(2, 4, 16, 16)

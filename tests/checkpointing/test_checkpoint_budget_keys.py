@@ -15,7 +15,7 @@ import torch
 
 import gradpatch
 from gradpatch.checkpointing import budget
-from test_checkpoint_budget_follow import chain, extra
+from checkpoint_models import chain, extra
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

@@ -15,10 +15,10 @@ pytestmark = pytest.mark.slow
 
 SCRIPT = f"""
 import json, sys
-sys.path[:0] = [{str(ROOT / "tests" / "checkpointing")!r}, {str(ROOT / "tests")!r}]
+sys.path.insert(0, {str(ROOT / "tests")!r})
 import torch
 import gradpatch
-from test_checkpoint_upstream import TARGETS, assert_grads_equal, freeze, step
+from checkpoint_models import TARGETS, assert_grads_equal, freeze, step
 from gradpatch.testing import reinit_zero_weights
 
 problems, checked = [], 0
