@@ -16,10 +16,11 @@ export DS_BUILD_OPS := 0
 # `make test SKIP_TORCH_LOWER="why"`, which is printed.
 LOWER_VENV ?= .venv-torch-lower
 LOWER_PY := $(LOWER_VENV)/bin/python
-LOWER_TESTS := tests/test_checkpoint_fix.py tests/test_checkpoint_properties.py tests/test_checkpoint_trust.py \
-	tests/test_engine.py tests/test_trust.py tests/test_differentiable.py tests/test_sampler_options.py \
-	tests/test_step_checkpoint.py tests/test_lift.py tests/test_lift_trust.py tests/test_definitions.py \
-	tests/test_skip_policy.py
+LOWER_TESTS := tests/checkpointing/test_checkpoint_fix.py tests/checkpointing/test_checkpoint_properties.py \
+	tests/checkpointing/test_checkpoint_trust.py tests/patching/test_engine.py tests/patching/test_trust.py \
+	tests/patching/test_definitions.py tests/sampling/test_differentiable.py tests/sampling/test_sampler_options.py \
+	tests/sampling/test_step_checkpoint.py tests/sampling/test_lift.py tests/sampling/test_lift_trust.py \
+	tests/project/test_skip_policy.py
 SKIP_TORCH_LOWER ?=
 
 # The newest torch release gets a venv of its own too, for the tests that import without the upstream
@@ -29,8 +30,9 @@ SKIP_TORCH_LOWER ?=
 # other environments must not apply to the one venv whose point is another torch.
 NEWEST_VENV ?= .venv-torch-newest
 NEWEST_PY := $(NEWEST_VENV)/bin/python
-NEWEST_TESTS := $(LOWER_TESTS) tests/test_checkpoint_functorch.py tests/test_checkpoint_budget_compile.py \
-	tests/test_versions.py tests/test_diffusers_pipelines.py
+NEWEST_TESTS := $(LOWER_TESTS) tests/checkpointing/test_checkpoint_functorch.py \
+	tests/checkpointing/test_checkpoint_budget_compile.py tests/patching/test_versions.py \
+	tests/upstream/test_diffusers_pipelines.py
 SKIP_TORCH_NEWEST ?=
 
 # JUNIT_DIR=<folder> (.ci/run): each pytest run of `make test` also writes <folder>/<venv>.xml.
@@ -72,7 +74,7 @@ else
 endif
 
 # gradpatch itself is installed in the lowest/newest-torch venvs as in .venv (editable, with its start-up
-# file: tests/test_trust.py starts interpreters with GRADPATCH set); hatchling builds it (torch-*.txt).
+# file: tests/patching/test_trust.py starts interpreters with GRADPATCH set); hatchling builds it (torch-*.txt).
 $(LOWER_VENV)/.installed: requirements/torch-lower.txt pyproject.toml
 	$(PYTHON) -m venv $(LOWER_VENV)
 	$(LOWER_PY) -m pip install --quiet --no-deps -r requirements/torch-lower.txt
@@ -94,7 +96,7 @@ test-torch-newest: $(NEWEST_VENV)/.installed
 # The wheel in fresh virtual environments, installed as the README's Install section says, and the
 # README's Python blocks run there (also part of `make test`).
 newcomer: $(VENV)/.installed
-	$(PY) -m pytest -n 2 tests/test_newcomer.py tests/test_cli.py
+	$(PY) -m pytest -n 2 tests/project/test_newcomer.py tests/project/test_cli.py
 
 bench: $(VENV)/.installed
 	for script in benchmarks/*.py; do $(PY) $$script --quick || exit 1; done

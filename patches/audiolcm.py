@@ -16,7 +16,7 @@ purpose; it is not on these paths. ``LCM_audio.sample``/``p_sample_loop`` are no
 ``apply_model`` without its ``model`` argument and cannot run. The checkpoint in
 ``ldm.modules.diffusionmodules.util`` is CompVis V1, covered by ``patches/ldm.py``. Fingerprints: every
 version of the two files in the repositories' history (2024-06 to 2025-10); tested on a replica in
-``tests/test_audiolcm_replica.py`` (GitHub only: no package carries it).
+``tests/upstream/test_audiolcm_replica.py`` (GitHub only: no package carries it).
 """
 from gradpatch.patching.fingerprint import Fingerprints
 from gradpatch.patching.patch import Patch

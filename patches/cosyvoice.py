@@ -5,7 +5,7 @@ inherited ``ConditionalCFM.solve_euler`` refills a batch-of-2 CFG buffer in plac
 (``x_in[:] = x``) and calls the estimator through ``forward_estimator``. Declared like Chatterbox's
 copy (the flow-matching family): ``forward(..., cache=False, grad_steps=K, checkpoint_steps=True)``.
 Recognised by fingerprint (every version of the file since CosyVoice 2, from the repository's history;
-``patches/_families.py`` lists them), tested on a replica in ``tests/test_flow_matching_family.py``
+``patches/_families.py`` lists them), tested on a replica in ``tests/upstream/test_flow_matching_family.py``
 and, through the shared loop shape, on Chatterbox's installable copy.
 
 Not declared: ``ConditionalCFM.forward`` (CosyVoice 1's decoder) takes an argument named ``cache`` (the
@@ -19,7 +19,7 @@ The transformer encoder and decoder (``cosyvoice.transformer.encoder``/``decoder
 ``ckpt.checkpoint(layer.__call__, ...)`` without ``use_reentrant``: torch's reentrant default gives
 the layers no parameter gradient when no input requires grad (a frozen front end, LoRA). Their ``ckpt``
 becomes a stand-in whose ``checkpoint`` is non-reentrant (tested on Chatterbox's ``cp`` alias, the same
-pattern, in ``tests/test_flow_matching_family.py``).
+pattern, in ``tests/upstream/test_flow_matching_family.py``).
 """
 from ._families import flow_matching_family, torch_checkpoint_module_default
 

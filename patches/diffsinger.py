@@ -10,7 +10,7 @@ projects use too, so it is not declared; opt in with one line::
     mel = model(condition, cache=False, checkpoint_steps=True)
 
 Every decorator the call reaches is then inert and the in-place updates are copied on write, so the
-gradients are those of the out-of-place loop (tested on a replica in ``tests/test_diffsinger_replica.py``
+gradients are those of the out-of-place loop (tested on a replica in ``tests/upstream/test_diffsinger_replica.py``
 with ``FIX``, Euler and RK4). A step for ``checkpoint_steps`` is one ``velocity_fn`` call (RK4: four per
 solver step). ``grad_steps`` is not offered: the number of steps is the global
 ``hparams['sampling_steps']``, not an argument (it raises with that reason). ``KNOWN``: the fingerprint

@@ -36,7 +36,7 @@ PATCHES = checkpoint_family("sgm", "sgm.modules.diffusionmodules.util", {
 # 2025-05): made differentiable by gradpatch.differentiable. `sample` calls `self.sampler(denoiser, ...)`
 # (EulerEDM and the other samplers: one `self.model` call per step, CFG batched by the guider; Heun: two,
 # where grad_steps then raises), `self.sampler.num_steps` steps. Tested on a replica in
-# tests/test_sgm_engine_replica.py (no installable package carries sgm).
+# tests/upstream/test_sgm_engine_replica.py (no installable package carries sgm).
 _ENGINE = "sgm.models.diffusion:DiffusionEngine"
 _ENGINE_KNOWN = {
     "sample": {"4a53623cb260db92": "generative-models@081e0d46 (2023-06-22) to 0ad7de9 (2025-05)"},

@@ -15,7 +15,7 @@ every recomputed region). The text encoder's in-body ``with torch.no_grad():`` i
 code and inert during the call: a frozen T5 keeps activations it does not need. ``KNOWN`` are the
 fingerprints (``python -m gradpatch.patching.fingerprint models.py AudioDiffusion.inference``) of every
 version in the repository's history, for checking a checkout; ``FIX`` is what the line above installs,
-tested on a replica in ``tests/test_tango_replica.py``. The vendored AudioLDM copies are covered by
+tested on a replica in ``tests/upstream/test_tango_replica.py``. The vendored AudioLDM copies are covered by
 ``patches/audioldm.py``.
 """
 from gradpatch.sampling.generic.any_sampler import sampler

@@ -1,5 +1,5 @@
 """Foreign sampler code, one class per pattern that blocks gradients in the wild (issue 21's table), for
-tests/test_differentiable.py. Written the way upstream writes it: no gradpatch here."""
+tests/sampling/test_differentiable.py. Written the way upstream writes it: no gradpatch here."""
 from __future__ import annotations
 
 import contextlib

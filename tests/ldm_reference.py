@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-from conftest import upstream_method
+from support import upstream_method
 
 
 @contextlib.contextmanager

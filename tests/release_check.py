@@ -1,5 +1,5 @@
 """Shared by the background interpreters that check older upstream releases (see
-``conftest.BackgroundCheck``): each release is imported from its own folder in turn, in one process."""
+``support.BackgroundCheck``): each release is imported from its own folder in turn, in one process."""
 from __future__ import annotations
 
 import importlib

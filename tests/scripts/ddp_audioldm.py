@@ -1,6 +1,6 @@
 """One DDP training step per rank on a tiny AudioLDM UNet, cross-attention only trainable.
 
-Run by tests/test_distributed.py under ``GRADPATCH=1 torchrun --standalone --nproc_per_node=2``: the
+Run by tests/checkpointing/test_distributed.py under ``GRADPATCH=1 torchrun --standalone --nproc_per_node=2``: the
 script itself never calls gradpatch.apply(), so only the environment variable activates the fix.
 """
 import json

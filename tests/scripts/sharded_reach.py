@@ -1,5 +1,5 @@
 """FSDP2 units that a checkpointed call reaches other than as its module's children, and the
-``budget:<size>`` plan's report under FSDP2 inner units, for ``tests/test_sharded_reach.py``.
+``budget:<size>`` plan's report under FSDP2 inner units, for ``tests/checkpointing/test_sharded_reach.py``.
 
 Run as ``python -m torch.distributed.run --standalone --nproc_per_node=2 sharded_reach.py OUT.json``
 (gloo over loopback, CPU, float64). Each case builds the same tiny model from one seed, puts

@@ -1,6 +1,6 @@
 """Two SGD steps per configuration ("cell") under a sharding engine; rank 0 compares the full gradients.
 
-Run by tests/test_sharded.py as ``GRADPATCH=1 python -m torch.distributed.run --standalone
+Run by tests/checkpointing/test_sharded.py as ``GRADPATCH=1 python -m torch.distributed.run --standalone
 --nproc_per_node=2 sharded_train.py CELLS.json OUT.json`` (gloo over loopback, CPU, float64). Every
 cell builds its model afresh from the same seed, wraps it, trains two plain-SGD steps (lr 0.1) on its
 rank's half of the batch and gathers each step's full gradients; rank 0 compares them with one
