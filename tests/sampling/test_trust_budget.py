@@ -16,7 +16,7 @@ from torch import nn  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 import gradpatch  # noqa: E402
-from conftest import assert_grads_close, last_json, run_python  # noqa: E402
+from support import assert_grads_close, last_json, run_python  # noqa: E402
 
 CHECKPOINTS = [True, "budget:1KiB", "budget:1GiB"]
 
@@ -342,7 +342,7 @@ def test_the_callers_saved_tensor_hooks_see_what_a_call_saves(hooks):
 def test_seed_vc_first_forward_under_a_budget_raises_as_checkpoint_steps_true_does(name):
     """The real Seed-VC and IndexTTS2 (fresh interpreter, so that the DiT's first forward in the process is
     inside the call; float64): ``budget:`` gave error 0.245 (3% of the largest gradient) where ``True`` raised; now it
-    raises the same error, and a later call equals the hand-written loop (tests/test_flow_matching_family.py)."""
+    raises the same error, and a later call equals the hand-written loop (tests/upstream/test_flow_matching_family.py)."""
     result = run_python(f"""
         import json, sys, torch, gradpatch
         from test_flow_matching_family import CASES, _grads
@@ -366,7 +366,7 @@ def test_seed_vc_first_forward_under_a_budget_raises_as_checkpoint_steps_true_do
                 floor = max(w.abs().max().item() for w in want if w is not None)
                 found.append(max((g - w).abs().max().item() / floor for g, w in zip(got, want) if w is not None))
         print(json.dumps(found))
-    """, env={"HF_HUB_OFFLINE": "1"}, pythonpath=[Path(__file__).parent])
+    """, env={"HF_HUB_OFFLINE": "1"}, pythonpath=[Path(__file__).parents[1] / "upstream", Path(__file__).parents[1]])
     first, later = last_json(result)
     assert isinstance(first, str) and "built another graph when recomputed" in first, first
     assert later < 1e-10
