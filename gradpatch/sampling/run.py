@@ -46,10 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 import sys
-import threading
-import types
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Iterator, TypeVar
@@ -59,6 +56,7 @@ import torch.utils.checkpoint
 
 from gradpatch.checkpointing.compat import sequence_nr
 from gradpatch.sampling.options import SamplingOptions
+from gradpatch.sampling.shadows import shadow
 from gradpatch.sampling.steps import checkpoint as step_checkpoint, inputs as step_inputs
 from gradpatch.sampling.steps.regions import Regions, tracking
 
@@ -142,76 +140,6 @@ def active_options() -> SamplingOptions | None:
     """The options of the ``cache=False`` call in progress in this context, if any."""
     run = current.get()
     return None if run is None else run.options
-
-
-# Instance-attribute shadows. One shadow per (object, name) is shared by concurrent calls (reference
-# counted) and acts only in contexts where a cache=False call is active: another thread sampling the
-# same model with cache=True at the same time still gets the real eval(), cache and clear_cache().
-# They are invisible to copies: while an object holds one, its __getstate__ (which copy.copy,
-# copy.deepcopy, pickle, torch.save, dill and cloudpickle ask) leaves them out of the state.
-_lock = threading.Lock()
-_shadows: dict[tuple[int, str], list[Any]] = {}  # key -> [users, had_own, own_value, installed]
-
-
-def _reset_lock_in_child() -> None:  # a fork while another thread held it must not deadlock the child
-    global _lock
-    _lock = threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_reset_lock_in_child)
-
-
-@contextlib.contextmanager
-def shadow(obj: object, name: str, make: Callable[[Any], Any]) -> Iterator[None]:
-    """``obj.<name>`` is ``make(<its value>)`` for the block: an instance attribute, put back (or
-    removed) when the last concurrent user leaves, unless someone replaced it meanwhile."""
-    key, hide = (id(obj), name), name != "__getstate__" and not isinstance(obj, (types.ModuleType, type))
-    with shadow(obj, "__getstate__", functools.partial(_OwnState, obj)) if hide else contextlib.nullcontext():
-        with _lock:
-            entry = _shadows.get(key)
-            if entry is None:
-                own = vars(obj)
-                installed = make(getattr(obj, name, None) if name == "__getstate__" else getattr(obj, name))
-                entry = _shadows[key] = [0, name in own, own.get(name), installed]
-                object.__setattr__(obj, name, installed)
-            entry[0] += 1
-        try:
-            yield
-        finally:
-            with _lock:
-                entry[0] -= 1
-                if entry[0] == 0:
-                    del _shadows[key]
-                    if vars(obj).get(name) is entry[3]:  # else someone replaced it meanwhile: theirs stays
-                        object.__setattr__(obj, name, entry[2]) if entry[1] else object.__delattr__(obj, name)
-
-
-class _OwnState:
-    """``obj.__getstate__`` while ``obj`` holds shadows: the state its own ``__getstate__`` gives, each
-    shadow replaced by the attribute it stands in for (or left out), so that a copy or a pickle taken
-    during a call is its own object afterwards, computing with its own weights."""
-
-    def __init__(self, obj: object, own: Callable[[], Any] | None) -> None:
-        self.obj, self.own = obj, own
-
-    def __call__(self) -> Any:
-        state = self.own() if self.own is not None else dict(vars(self.obj))
-        if isinstance(state, tuple) and len(state) == 2 and isinstance(state[0], dict):  # (dict, slots)
-            return self._without_shadows(state[0]), state[1]
-        return self._without_shadows(state) if isinstance(state, dict) else state
-
-    def _without_shadows(self, state: dict) -> dict:
-        with _lock:
-            mine = [(name, entry) for (key, name), entry in _shadows.items() if key == id(self.obj)]
-        state = dict(state)
-        for name, (_, had_own, own, installed) in mine:
-            if state.get(name) is installed:
-                if had_own:
-                    state[name] = own
-                else:
-                    del state[name]
-        return state
 
 
 def _keep_mode(model: Any, real_eval: Callable[[], Any]) -> Callable[[], Any]:

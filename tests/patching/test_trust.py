@@ -214,10 +214,11 @@ import contextlib, os, threading, time
 from gradpatch.patching import activation, ledger
 from gradpatch import settings
 import gradpatch.sampling.run as sampling
+import gradpatch.sampling.shadows as shadows
 held, done = threading.Event(), threading.Event()
 def hold():
     with contextlib.ExitStack() as stack:
-        for module in (activation, ledger, settings, sampling):
+        for module in (activation, ledger, settings, sampling, shadows):
             if hasattr(module, "_lock"):
                 stack.enter_context(module._lock)
         stack.enter_context(ledger.LEDGER.locked())

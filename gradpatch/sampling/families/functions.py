@@ -54,7 +54,8 @@ from typing import Any, Callable, Iterator, TypeVar
 
 from gradpatch.sampling.contract import sampler_entry
 from gradpatch.sampling.options import SamplingOptions
-from gradpatch.sampling.run import differentiable, run_step, shadow
+from gradpatch.sampling.run import differentiable, run_step
+from gradpatch.sampling.shadows import shadow
 
 T = TypeVar("T")
 _PROGRESS = ("trange", "tqdm")  # the loop helpers these samplers iterate over

@@ -61,7 +61,8 @@ from gradpatch.errors import NotDifferentiableError
 from gradpatch.sampling.families.ldm_uncovered import warn_uncovered
 from gradpatch.sampling.lifting.bytecode import no_grad_body
 from gradpatch.sampling.contract import accepted_keywords, sampler_entry
-from gradpatch.sampling.run import SamplingRun, current, differentiable, recording, run_step, shadow
+from gradpatch.sampling.run import SamplingRun, current, differentiable, recording, run_step
+from gradpatch.sampling.shadows import shadow
 
 _steps_left: ContextVar[Callable[[], int] | None] = ContextVar("gradpatch_ldm_step", default=None)
 

@@ -14,7 +14,8 @@ import sys
 from typing import Any, Callable, TypeVar
 
 from gradpatch.sampling.contract import sampler_entry
-from gradpatch.sampling.run import differentiable, shadow, text_cache_off
+from gradpatch.sampling.run import differentiable, text_cache_off
+from gradpatch.sampling.shadows import shadow
 from gradpatch.sampling.steps.odeint import stepped_odeint
 
 T = TypeVar("T")

@@ -146,7 +146,7 @@ class _Fixes:
         step, steps = (unquote(options[k]) or None for k in ("step", "steps"))
 
         def factory(original: object) -> object:
-            from gradpatch.sampling.generic.call import patched
+            from gradpatch.sampling.generic.callables import patched
 
             return patched(original, step, steps, where=_name(original))
 
@@ -212,7 +212,7 @@ def differentiable(target: Any, step: Any = None, steps: Any = None) -> Any:
                              f"made differentiable on request (step={step}, steps={steps})"))
     if not callable(target):
         raise TypeError(f"gradpatch.differentiable: {target!r} is neither callable nor 'module:Qual.name'")
-    from gradpatch.sampling.generic.call import make
+    from gradpatch.sampling.generic.callables import make
 
     return make(target, step, steps, cache=False)
 
