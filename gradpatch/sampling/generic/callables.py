@@ -86,11 +86,14 @@ class Differentiable:
             return args[0] if args and (named_self or _method_of(self, args[0])) else None
 
         def run(state: SamplingRun, outer: SamplingRun | None, args: tuple, kwargs: dict) -> Any:
-            if outer is not None and sampler.step is None:
-                lifted = outer.family_state.live if outer.family == FAMILY else None
-                if lifted is not None and gradoff.in_sampler(_caller_frame(), lifted):
-                    return fn(*args, **kwargs)  # called by the outer sampler's code: its constructs are inert already
-                state.options = SamplingOptions()  # the outer sampler knows its steps: only lift the constructs
+            if outer is not None:
+                same = outer.family_state if outer.family == FAMILY else None
+                routed = same is not None and same.sampler.step is not None  # the outer call counts steps
+                if same is not None and (sampler.step is None or routed) and \
+                        gradoff.in_sampler(_caller_frame(), same.live):
+                    return fn(*args, **kwargs)  # the outer call's steps and inert constructs hold (contract, 3)
+                if sampler.step is None:
+                    state.options = SamplingOptions()  # the outer sampler knows its steps: only lift constructs
             return call(sampler, fn, args, kwargs, this_of(args), state)
 
         self._entry = sampler_entry(fn, run, family=FAMILY, describe=lambda args: f"gradpatch.differentiable({where})",
