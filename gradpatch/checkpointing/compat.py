@@ -16,7 +16,7 @@ from typing import Any, Callable
 import torch
 from torch.overrides import TorchFunctionMode, handle_torch_function
 
-__all__ = ["autocast_enabled", "autocast_dtype", "is_compiling", "engine_grad", "sequence_nr",
+__all__ = ["top_saved_tensors_hooks", "autocast_enabled", "autocast_dtype", "is_compiling", "engine_grad", "sequence_nr",
            "functorch_active", "setitem_to_modes"]
 
 try:
@@ -114,3 +114,14 @@ def setitem_to_modes(on: bool) -> None:
 
 
 _SETITEM_REACHES_MODES = _setitem_reaches_modes()
+
+
+_TOP_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)  # torch 2.2 on
+
+
+def top_saved_tensors_hooks() -> tuple[Callable[..., Any], Callable[..., Any]] | None:
+    """The innermost default saved-tensor hooks in force (``(pack, unpack)``), or None. Torch 2.1 has no
+    way to read them: there it is always None (gradpatch's hooks then stand in front of a caller's
+    ``save_on_cpu`` instead of composing with it, as torch's own nested hooks do)."""
+    return None if _TOP_HOOKS is None else _TOP_HOOKS(False)
+

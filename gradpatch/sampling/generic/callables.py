@@ -45,7 +45,10 @@ def _eager(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """``fn(*args, **kwargs)``, never traced: dynamo skips it (under ``fullgraph=True`` its error says
     :data:`_COMPILE`)."""
     if not _DISABLED and "torch._dynamo" in sys.modules and not is_compiling():
-        _DISABLED.append(torch.compiler.disable(_through, reason=_COMPILE))
+        try:
+            _DISABLED.append(torch.compiler.disable(_through, reason=_COMPILE))
+        except TypeError:  # torch < 2.6: no reason= (the graph break then names no reason)
+            _DISABLED.append(torch.compiler.disable(_through))
     if _DISABLED:
         return _DISABLED[0](fn, args, kwargs)
     if is_compiling():  # dynamo runs the frames up to here eagerly instead, or shows this under fullgraph=True

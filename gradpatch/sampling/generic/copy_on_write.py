@@ -39,7 +39,7 @@ from typing import Any, Callable
 import torch
 from torch.overrides import TorchFunctionMode
 
-from gradpatch.checkpointing.compat import setitem_to_modes
+from gradpatch.checkpointing.compat import setitem_to_modes, top_saved_tensors_hooks
 from gradpatch.errors import NotDifferentiableError
 from gradpatch.sampling import run as sampling_run
 
@@ -158,7 +158,7 @@ class CopyOnWrite(TorchFunctionMode):
     def hooks(self) -> Any:
         """The call's saved-tensor hooks; around the caller's own (``save_on_cpu``), which still see
         every tensor saved."""
-        outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        outer = top_saved_tensors_hooks()
         pack, unpack = self.compose(*outer) if outer is not None and _foreign(*outer) else (self.pack, self.unpack)
         return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 

@@ -49,7 +49,7 @@ import torch.utils.checkpoint
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from gradpatch.checkpointing.compat import autocast_dtype, autocast_enabled
+from gradpatch.checkpointing.compat import autocast_dtype, autocast_enabled, top_saved_tensors_hooks
 from gradpatch.checkpointing.sharding import engine_loaded
 from gradpatch.checkpointing.checkpoint import ESCAPED, fast_path
 
@@ -303,7 +303,7 @@ def _detached_saves() -> Any:
     """The caller's saved-tensor hooks (``save_on_cpu``), given each tensor detached: hooks that keep the
     tensor itself (``save_on_cpu`` of a CPU tensor) would keep a saved output's node alive through it, a
     reference cycle that outlives the graph the fast path drops (the evaluation's whole graph leaked)."""
-    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    hooks = top_saved_tensors_hooks()
     if hooks is None or getattr(hooks[0], "_checkpoint_internal", False) or \
             str(getattr(hooks[1], "__module__", None) or "").startswith("gradpatch.") or \
             not torch._C._autograd._saved_tensors_hooks_is_enabled():  # type: ignore[attr-defined]
