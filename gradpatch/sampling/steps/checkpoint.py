@@ -50,6 +50,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from gradpatch.checkpointing.compat import autocast_dtype, autocast_enabled, top_saved_tensors_hooks
+from gradpatch.sampling.steps import generators
 from gradpatch.checkpointing.sharding import engine_loaded
 from gradpatch.checkpointing.checkpoint import ESCAPED, fast_path
 
@@ -191,7 +192,7 @@ def recomputed(fn: Callable[..., T], args: tuple, kwargs: dict, fast: bool) -> t
     that node (False once one could not take it)."""
     if not FLAT:
         return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, **kwargs), fast  # type: ignore[return-value]
-    fn = _Generators.wrap(fn, args, kwargs)
+    fn = generators.wrap(fn, args, kwargs)
     if fast:
         structure: list[Any] = [None, None, True]  # how to rebuild the output; the forward's; keep it
         out = fast_path(functools.partial(_flat_call, fn, structure), args, kwargs or None, verify=_VERIFY)
@@ -204,72 +205,6 @@ def recomputed(fn: Callable[..., T], args: tuple, kwargs: dict, fast: bool) -> t
             return (out if structure[0] is None else tree_unflatten(list(out), structure[0])), False
     frame = _Frame(fn, args, kwargs)
     return frame.run(frame.pack), False
-
-
-class _Generators:
-    """``fn`` whose recompute draws from the ``torch.Generator`` objects it reaches (arguments, closure,
-    the modules of a bound method) as the forward did: their states are taken before the forward, set
-    for each recompute and put back after it (the caller's generators go on from where the forward
-    left them). torch's checkpoint replays only the global RNG."""
-
-    __slots__ = ("fn", "generators", "states", "ran")
-
-    def __init__(self, fn: Callable[..., Any], generators: list[torch.Generator]) -> None:
-        self.fn, self.generators, self.ran = fn, generators, False
-        self.states = [g.get_state() for g in generators]
-
-    @classmethod
-    def wrap(cls, fn: Callable[..., T], args: tuple, kwargs: dict) -> Callable[..., T]:
-        generators = _reachable_generators((args, kwargs, fn))
-        return cls(fn, generators) if generators else fn  # type: ignore[return-value]
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if not self.ran:  # the forward
-            self.ran = True
-            return self.fn(*args, **kwargs)
-        now = [g.get_state() for g in self.generators]
-        for g, state in zip(self.generators, self.states):
-            g.set_state(state)
-        try:
-            return self.fn(*args, **kwargs)
-        finally:
-            for g, state in zip(self.generators, now):
-                g.set_state(state)
-
-
-def _reachable_generators(root: Any) -> list[torch.Generator]:
-    found: dict[int, torch.Generator] = {}
-    seen: set[int] = set()
-    todo: list[tuple[Any, int]] = [(root, 0)]
-    while todo:
-        obj, depth = todo.pop()
-        if isinstance(obj, torch.Generator):
-            found[id(obj)] = obj
-        if id(obj) in seen or depth > 6 or isinstance(obj, (torch.Tensor, torch.Generator, str, bytes, int, float,
-                                                            type)):
-            continue
-        seen.add(id(obj))
-        if isinstance(obj, torch.nn.Module):
-            todo += [(v, depth + 1) for m in obj.modules() for v in vars(m).values()
-                     if isinstance(v, (torch.Generator, functools.partial))]
-        elif isinstance(obj, (tuple, list)):
-            todo += [(v, depth + 1) for v in obj]
-        elif isinstance(obj, dict):
-            todo += [(v, depth + 1) for v in obj.values()]
-        elif isinstance(obj, functools.partial):
-            todo += [(obj.func, depth + 1), (obj.args, depth + 1), (obj.keywords, depth + 1)]
-        elif hasattr(obj, "__self__") and hasattr(obj, "__func__"):  # a bound method
-            todo += [(obj.__self__, depth + 1), (obj.__func__, depth + 1)]
-        elif callable(obj):
-            for cell in getattr(obj, "__closure__", None) or ():
-                try:
-                    todo.append((cell.cell_contents, depth + 1))
-                except ValueError:  # an empty cell
-                    pass
-            inner = getattr(obj, "fn", None)  # gradpatch's own wrappers (_Generators, inputs.AsWas)
-            if callable(inner) and type(obj).__module__.startswith("gradpatch."):
-                todo.append((inner, depth + 1))
-    return list(found.values())
 
 
 def _flat_call(fn: Callable[..., Any], structure: list[Any], *args: Any, **kwargs: Any) -> Any:
@@ -325,7 +260,7 @@ def measured(fn: Callable[..., T], *args: Any, **kwargs: Any) -> tuple[T, int]:
     its graph would have added: those of the storages it saved for backward that were freed when it
     returned (as :mod:`gradpatch.checkpointing.budget.measure` counts a block's own bytes). Storages still
     alive (the inputs, parameters, the output) cost nothing more when kept, and each storage counts once."""
-    frame = _Frame(_Generators.wrap(fn, args, kwargs), args, kwargs)
+    frame = _Frame(generators.wrap(fn, args, kwargs), args, kwargs)
     frame.seen = {}
     out = frame.run(frame.measuring_pack)
     seen, frame.seen = frame.seen, None
