@@ -4,6 +4,8 @@
 no output of ``pipe(...)`` ever has a gradient; AlignProp and trl copied ``__call__`` bodies by hand to
 get one. One patch covers the whole ``DiffusionPipeline`` class hierarchy, including pipeline classes
 defined after it is applied; see :mod:`gradpatch.sampling.families.diffusers` for the semantics.
+Modular pipelines (``diffusers.modular_pipelines``) take two more: ``ModularPipeline.__call__`` and
+the ``ModularPipelineBlocks`` hierarchy (:mod:`gradpatch.sampling.families.diffusers_modular`).
 
 The patch targets ``DiffusionPipeline.__init_subclass__``, which the base class inherits from
 ``object``: the fix patches every pipeline class defined so far and installs an ``__init_subclass__``
@@ -51,6 +53,26 @@ class LacksParameter(NamedTuple):
         return Identity("known", self.label)
 
 
+class LiftableCall(NamedTuple):
+    """Recognise a plain function that does not take ``name`` yet (if it does, upstream fixed it) and
+    whose in-body ``with torch.no_grad():`` can be lifted (its source is the loaded code)."""
+
+    name: str
+    label: str
+
+    def identify(self, module: ModuleType, qualname: str, original: object) -> Identity:
+        from gradpatch.sampling.lifting.lift import LiftError, lift_no_grad
+
+        found = LacksParameter(self.name, self.label).identify(module, qualname, original)
+        if found.verdict != "known":
+            return found
+        try:
+            lift_no_grad(original)
+        except LiftError as error:
+            return Identity("unknown", f"not liftable: {error}")
+        return Identity("known", self.label)
+
+
 PATCHES = [
     Patch(
         "diffusers.pipelines",
@@ -61,15 +83,24 @@ PATCHES = [
         "pipeline __call__ takes cache=False (gradients), grad_steps, checkpoint_steps",
         requires=_REQUIRES,
     ),
-    # Modular pipelines are not DiffusionPipelines and run their blocks under in-body no_grad: nothing
-    # to unwrap. Their ``__call__(**kwargs)`` would ignore cache=False with a warning; make it an error.
+    # Modular pipelines are not DiffusionPipelines: the pipeline's __call__ runs its blocks under an
+    # in-body no_grad (lifted), and every block's own __call__ is @torch.no_grad() (a second hierarchy).
     Patch(
         "diffusers.modular_pipelines",
         "diffusers.modular_pipelines.modular_pipeline:ModularPipeline.__call__",
-        "gradpatch.sampling.families.diffusers:guard_modular_call",
-        LacksParameter("cache", "ModularPipeline.__call__ · in-body torch.no_grad()"),
+        "gradpatch.sampling.families.diffusers_modular:modular_call",
+        LiftableCall("cache", "ModularPipeline.__call__ · in-body torch.no_grad()"),
         "diffusers",
-        "ModularPipeline(cache=False) raises a clear error instead of ignoring it",
+        "modular pipeline __call__ takes cache=False (gradients), grad_steps, checkpoint_steps",
+        requires=_REQUIRES,
+    ),
+    Patch(
+        "diffusers.modular_pipelines.blocks",
+        "diffusers.modular_pipelines.modular_pipeline:ModularPipelineBlocks.__init_subclass__",
+        "gradpatch.sampling.families.diffusers_modular:patch_block_hierarchy",
+        PipelineHierarchy("ModularPipelineBlocks", "ModularPipelineBlocks hierarchy · @torch.no_grad() __call__"),
+        "diffusers",
+        "block __call__ runs undecorated inside a modular pipeline's cache=False call",
         requires=_REQUIRES,
     ),
 ]

@@ -26,8 +26,7 @@ defined later (lazily imported, community, your own) are patched when created. A
 Left alone unless ``cache=False`` is asked for (then :class:`NotDifferentiableError`): ONNX pipelines,
 classes whose own ``__call__`` is not ``no_grad``-decorated, and cache hooks that rewired the model
 beyond its forward chain (SeaCache on Cosmos 3: ``disable_cache()`` first). ``ModularPipeline`` is not
-a ``DiffusionPipeline`` (its blocks use ``with torch.no_grad()`` in-body): a second patch only makes its
-``__call__(cache=False)`` an error (:func:`guard_modular_call`).
+a ``DiffusionPipeline``: :mod:`gradpatch.sampling.families.diffusers_modular`.
 """
 from __future__ import annotations
 
@@ -45,7 +44,7 @@ from gradpatch.sampling.run import SamplingRun, recording
 
 FAMILY = "diffusers"
 
-__all__ = ["NotDifferentiableError", "guard_modular_call", "no_grad_body", "patch_pipeline_hierarchy"]
+__all__ = ["NotDifferentiableError", "no_grad_body", "patch_pipeline_hierarchy"]
 
 _HELPER = re.compile(r"_?(encode|decode|vae_decode)")
 
@@ -167,7 +166,3 @@ def patch_pipeline_hierarchy(inherited: Any) -> classmethod:
     state.hook.__gradpatch_revert__ = state.revert  # type: ignore[attr-defined]
     return state.hook
 
-
-def guard_modular_call(original: Callable[..., Any]) -> Callable[..., Any]:
-    """The fix factory for ``ModularPipeline.__call__``: an error for cache=False, otherwise unchanged."""
-    return _guarded_call(original, "modular pipelines run their blocks under an in-body torch.no_grad()")

@@ -148,11 +148,20 @@ class _Steps:
 
         return step
 
+    def finish(self) -> None:
+        """Called when the body returned: a loop that never stepped ``pipe.scheduler`` is an error."""
+        if self.options.grad_steps is not None and self.calls > 1 and self.done == 0:
+            raise RuntimeError(f"grad_steps: {self.name} never called pipe.scheduler.step, so its denoising "
+                               "steps could not be located")
+
 
 @contextlib.contextmanager
-def differentiable_run(pipe: Any, run: SamplingRun) -> Iterator[None]:
+def differentiable_run(pipe: Any, run: SamplingRun, locate: Callable[[Any, SamplingOptions], Any] = _Steps
+                       ) -> Iterator[None]:
     """The context of one ``cache=False`` call of ``pipe`` under ``run`` (module docstring); restores
-    everything."""
+    everything. ``locate(pipe, options)`` gives the object that locates each denoiser call's step, like
+    :class:`_Steps`: ``position``, ``scheduler`` (whose ``step`` it wraps with ``stepping``; None:
+    not wrapped), ``name`` and ``finish`` (modular pipelines count loop iterations instead)."""
     options = run.options
     named = {name: m for name, m in vars(pipe).items() if isinstance(m, torch.nn.Module)}
     modules = list({id(m): m for m in named.values()}.values())
@@ -172,7 +181,7 @@ def differentiable_run(pipe: Any, run: SamplingRun) -> Iterator[None]:
 
         return make
 
-    steps = _Steps(pipe, options) if options.grad_steps is not None or options.checkpoint_steps else None
+    steps = locate(pipe, options) if options.grad_steps is not None or options.checkpoint_steps else None
     if steps is not None and not any(map(_DENOISER.fullmatch, named)):  # the options would do nothing
         raise NotDifferentiableError(f"grad_steps/checkpoint_steps: {steps.name} has no denoiser component "
                                      f"named like {_DENOISER.pattern} (it has {sorted(named)})")
@@ -186,6 +195,5 @@ def differentiable_run(pipe: Any, run: SamplingRun) -> Iterator[None]:
                 stack.enter_context(_wrapped(named[name], "forward", stepped(steps)))
         stack.callback(inside.reset, inside.set(inside.get() + (pipe,)))
         yield
-    if steps is not None and options.grad_steps is not None and steps.calls > 1 and steps.done == 0:
-        raise RuntimeError(f"grad_steps: {steps.name} never called pipe.scheduler.step, so its denoising "
-                           "steps could not be located")  # (not reached when the body raised)
+    if steps is not None:
+        steps.finish()  # (not reached when the body raised)
