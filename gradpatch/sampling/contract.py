@@ -26,9 +26,9 @@ latent-diffusion family's entry points, diffusers pipelines, imagen, the flow-ma
    object, decorators and all) for every catalogued sampler and for
    ``differentiable("module:Qual.name")``, and to ``False`` for ``differentiable(fn)``, which exists to
    differentiate. ``cache=True`` with ``grad_steps`` or ``checkpoint_steps`` is a ValueError.
-5. **Refusal.** A sampler that cannot give gradients (ONNX pipelines, modular pipelines, LDM's
-   ``generate_sample*``) raises :class:`~gradpatch.errors.NotDifferentiableError` naming why, for
-   ``cache=False``, for either option, and where it would join a ``cache=False`` call.
+5. **Refusal.** A sampler that cannot give gradients (ONNX pipelines, LDM's ``generate_sample*``) raises
+   :class:`~gradpatch.errors.NotDifferentiableError` naming why, for ``cache=False``, for either option,
+   and where it would join a ``cache=False`` call.
 6. **Had no effect.** A ``cache=False`` call given ``grad_steps`` or ``checkpoint_steps`` in which no
    denoiser evaluation went through them raises RuntimeError ("... had no effect ..."), with what the
    family expected, rather than return a graph that ignored them.

@@ -1,8 +1,8 @@
 """One contract for every differentiable sampler (:mod:`gradpatch.sampling.contract`), one table of rows.
 
 Each row: a family's tiny real upstream model sampled in 2 steps (float64 where upstream allows): F5-TTS
-and E2-TTS (ODE), k-diffusion (sampler functions), AudioLDM DDIM (ldm natives), diffusers, imagen and the
-flow-matching family (string-form machinery), ``gradpatch.differentiable`` in both forms. Not a row:
+and E2-TTS (ODE), k-diffusion (sampler functions), AudioLDM DDIM (ldm natives), diffusers (a pipeline, a
+modular pipeline), imagen and the flow-matching family (string-form machinery), ``gradpatch.differentiable`` in both forms. Not a row:
 stable-audio-tools, not installed here (its own tests install releases in the background). ``-s`` prints
 which checks passed.
 """
@@ -94,6 +94,15 @@ def diffusers() -> tuple:
                                    return_dict=False), pipe.unet
 
 
+def diffusers_modular() -> tuple:
+    """The tiny SDXL modular pipeline of tests/upstream/test_modular_pipelines.py (float64)."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "upstream"))
+    import test_modular_pipelines as modular
+
+    pipe, modules = modular.build()
+    return pipe.__call__, (), modular.call_kwargs(modular.embeds(), 2, seeded=False), modules["unet"]
+
+
 def _imagen_offline() -> Any:
     """``imagen_pytorch``: its import reads T5's config.json, served from a temporary offline cache."""
     import huggingface_hub.constants as hub
@@ -175,6 +184,7 @@ CASES = [
     Case("k_diffusion sample_dpm_adaptive", kdiffusion("sample_dpm_adaptive", True), True, False, "k_diffusion"),
     Case("audioldm DDIMSampler.sample", audioldm, True, True, "audioldm", double=False),
     Case("diffusers StableDiffusionPipeline", diffusers, True, True, "diffusers"),
+    Case("diffusers modular SDXL blocks", diffusers_modular, True, True, "diffusers"),
     Case("imagen Imagen.p_sample_loop", imagen, True, True, "imagen_pytorch"),
     Case("matcha CFM.forward", flow(testing_flow.matcha_cfm), True, True, "matcha"),
     Case("chatterbox CausalConditionalCFM", flow(testing_flow.chatterbox_cfm), True, True, "chatterbox",

@@ -391,9 +391,10 @@ else:
 from diffusers.modular_pipelines.modular_pipeline import ModularPipeline, ModularPipelineBlocks
 assert status()["diffusers.modular_pipelines"] == "applied", gradpatch.report()
 assert status()["diffusers.modular_pipelines.blocks"] == "applied", gradpatch.report()
-assert hasattr(ModularPipeline.__call__, "__gradpatch_original__")
+import inspect
+assert "cache" in inspect.signature(ModularPipeline.__call__).parameters
 gradpatch.revert()
-assert "__gradpatch_original__" not in vars(ModularPipeline.__call__)
+assert "cache" not in inspect.signature(ModularPipeline.__call__).parameters
 assert "__init_subclass__" not in vars(ModularPipelineBlocks)
 assert "__gradpatch_original__" not in vars(StableDiffusionPipeline.__call__)
 assert "__init_subclass__" not in vars(DiffusionPipeline)

@@ -147,16 +147,17 @@ def build(shift: type | None = None):
     return pipe, modules
 
 
-def _embeds() -> list[torch.Tensor]:
+def embeds() -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(SEED + 1)
     return [torch.randn(shape, generator=g, dtype=torch.float64).requires_grad_()
             for shape in ((1, 6, 16), (1, 6, 16), (1, 16), (1, 16))]
 
 
-def _kwargs(embeds: list[torch.Tensor], steps: int) -> dict:
+def call_kwargs(embeds: list[torch.Tensor], steps: int, seeded: bool = True) -> dict:
+    """The pipeline's inputs; ``seeded``: a fresh generator (else the global RNG draws the noise)."""
     return dict(prompt_embeds=embeds[0], negative_prompt_embeds=embeds[1], pooled_prompt_embeds=embeds[2],
                 negative_pooled_prompt_embeds=embeds[3], height=SIZE, width=SIZE, num_inference_steps=steps,
-                output_type="pt", generator=torch.Generator().manual_seed(SEED), output="images")
+                output_type="pt", output="images", **({"generator": torch.Generator().manual_seed(SEED)} if seeded else {}))
 
 
 def hand(modules: dict, embeds: list[torch.Tensor], steps: int, detach_at: int | None = None) -> torch.Tensor:
@@ -212,8 +213,8 @@ def built():
 
 def test_upstream_gives_no_gradient(built):
     pipe, modules = built
-    embeds = _embeds()
-    out = pipe(**_kwargs(embeds, 2))
+    inputs = embeds()
+    out = pipe(**call_kwargs(inputs, 2))
     assert out.grad_fn is None and not out.requires_grad
     with pytest.raises(RuntimeError, match="does not require grad"):
         out.sum().backward()
@@ -221,34 +222,34 @@ def test_upstream_gives_no_gradient(built):
 
 def test_cache_true_is_bitwise_upstream_and_signature(built):
     pipe, modules = built
-    embeds = _embeds()
-    before = pipe(**_kwargs(embeds, 2))
+    inputs = embeds()
+    before = pipe(**call_kwargs(inputs, 2))
     with gradpatch.applied("diffusers") as report:
         statuses = {r.patch: r.status for r in report}
         assert statuses["diffusers.modular_pipelines"] == gradpatch.Status.APPLIED
         assert statuses["diffusers.modular_pipelines.blocks"] == gradpatch.Status.APPLIED
         assert {"cache", "grad_steps", "checkpoint_steps", "output"} <= set(
             __import__("inspect").signature(ModularPipeline.__call__).parameters)
-        after, explicit = pipe(**_kwargs(embeds, 2)), pipe(**_kwargs(embeds, 2), cache=True)
+        after, explicit = pipe(**call_kwargs(inputs, 2)), pipe(**call_kwargs(inputs, 2), cache=True)
         with pytest.raises(ValueError, match="cache=False"):
-            pipe(**_kwargs(embeds, 2), grad_steps=1)
+            pipe(**call_kwargs(inputs, 2), grad_steps=1)
     assert after.grad_fn is None and explicit.grad_fn is None
     assert torch.equal(before, after) and torch.equal(before, explicit)
 
 
 def test_cache_false_gradients_equal_the_hand_written_computation(built):
     pipe, modules = built
-    embeds = _embeds()
+    inputs = embeds()
     modules["unet"].train()
     try:
         with gradpatch.applied("diffusers"):
-            out = pipe(**_kwargs(embeds, 3), cache=False)
+            out = pipe(**call_kwargs(inputs, 3), cache=False)
         assert modules["unet"].training  # eval() was a no-op for the call
     finally:
         modules["unet"].eval()
-    ref = hand(modules, embeds, 3)
+    ref = hand(modules, inputs, 3)
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
-    tensors = _trainable(modules, embeds)
+    tensors = _trainable(modules, inputs)
     want = _grads(ref, tensors)
     zero = sorted(name for name, g in want.items() if not g.any())
     assert not zero, zero
@@ -261,24 +262,24 @@ def test_grad_steps_and_checkpoint_steps_with_a_block_defined_after_apply():
         shift = _latent_shift_block()  # defined (and its loop wrapper) after apply()
         assert hasattr(vars(shift)["__call__"], "__gradpatch_original__")
         pipe, modules = build(shift)
-        embeds = _embeds()
-        tensors = _trainable(modules, embeds)
-        plain = pipe(**_kwargs(embeds, steps), cache=False)
-        checkpointed = pipe(**_kwargs(embeds, steps), cache=False, checkpoint_steps=True)
-        last = {k: pipe(**_kwargs(embeds, steps), cache=False, grad_steps=k) for k in (1, 2)}
-        both = pipe(**_kwargs(embeds, steps), cache=False, grad_steps=2, checkpoint_steps=True)
-        everything = pipe(**_kwargs(embeds, steps), cache=False, grad_steps=steps)
-    ref = hand(modules, embeds, steps)
+        inputs = embeds()
+        tensors = _trainable(modules, inputs)
+        plain = pipe(**call_kwargs(inputs, steps), cache=False)
+        checkpointed = pipe(**call_kwargs(inputs, steps), cache=False, checkpoint_steps=True)
+        last = {k: pipe(**call_kwargs(inputs, steps), cache=False, grad_steps=k) for k in (1, 2)}
+        both = pipe(**call_kwargs(inputs, steps), cache=False, grad_steps=2, checkpoint_steps=True)
+        everything = pipe(**call_kwargs(inputs, steps), cache=False, grad_steps=steps)
+    ref = hand(modules, inputs, steps)
     torch.testing.assert_close(plain, ref, rtol=1e-10, atol=1e-12)
     plain_grads = _grads(plain, tensors)
     _same_grads(plain_grads, _grads(ref, tensors))
     _same_grads(_grads(checkpointed, tensors), plain_grads)
     _same_grads(_grads(everything, tensors), plain_grads)
     for k, out in last.items():
-        want = _grads(hand(modules, embeds, steps, detach_at=steps - k), tensors)
+        want = _grads(hand(modules, inputs, steps, detach_at=steps - k), tensors)
         assert any(g.any() for n, g in want.items() if n.startswith("latent_shift"))  # the pre-net gets its share
         _same_grads(_grads(out, tensors), want)
-    _same_grads(_grads(both, tensors), _grads(hand(modules, embeds, steps, detach_at=steps - 2), tensors))
+    _same_grads(_grads(both, tensors), _grads(hand(modules, inputs, steps, detach_at=steps - 2), tensors))
     assert all("forward" not in vars(m) for m in modules.values())
 
 

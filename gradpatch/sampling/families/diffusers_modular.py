@@ -170,7 +170,7 @@ class _Hierarchy:
     def patch_class(self, cls: type) -> None:
         call = vars(cls).get("__call__")
         body = None if hasattr(call, "__gradpatch_original__") else no_grad_body(call)
-        if body is not None:
+        if call is not None and body is not None:
             self._set(cls, "__call__", call, _block_call(call, body))
         step = vars(cls).get("loop_step")
         if inspect.isfunction(step) and not hasattr(step, "__gradpatch_original__"):
@@ -179,6 +179,7 @@ class _Hierarchy:
     def install(self) -> None:
         pending, seen = [self.base], {self.base}
         self.patch_class(self.base)
+        cls: type
         while pending:
             for cls in pending.pop().__subclasses__():
                 if cls not in seen:
