@@ -110,9 +110,9 @@ def _reinit(*models: torch.nn.Module) -> None:
                     param.normal_(0, 0.05)
 
 
-def build(shift: type | None = None):
+def build(shift: type | None = None, loop: type = denoise.StableDiffusionXLDenoiseStep):
     """A tiny SDXL modular pipeline (float64) and its trainable modules; ``shift``: a LatentShift class
-    to run in the loop before the denoiser."""
+    to run in the loop before the denoiser; ``loop``: the denoising step."""
     torch.manual_seed(SEED)
     unet = UNet2DConditionModel(block_out_channels=(8, 16), layers_per_block=1, sample_size=8, in_channels=4,
                                 out_channels=4, down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
@@ -126,7 +126,6 @@ def build(shift: type | None = None):
     for model in (unet, vae, adapter, pre):
         model.double()
     _reinit(unet, vae)
-    loop = denoise.StableDiffusionXLDenoiseStep
     if shift is not None:
         class ShiftedDenoiseStep(denoise.StableDiffusionXLDenoiseLoopWrapper):
             block_classes = [denoise.StableDiffusionXLLoopBeforeDenoiser, shift,
@@ -278,9 +277,27 @@ def test_grad_steps_and_checkpoint_steps_with_a_block_defined_after_apply():
     for k, out in last.items():
         want = _grads(hand(modules, inputs, steps, detach_at=steps - k), tensors)
         assert any(g.any() for n, g in want.items() if n.startswith("latent_shift"))  # the pre-net gets its share
-        _same_grads(_grads(out, tensors), want)
+        got = _grads(out, tensors)
+        _same_grads(got, want)
+        assert not torch.allclose(got["unet.conv_in.weight"], plain_grads["unet.conv_in.weight"])  # (a cut)
     _same_grads(_grads(both, tensors), _grads(hand(modules, inputs, steps, detach_at=steps - 2), tensors))
     assert all("forward" not in vars(m) for m in modules.values())
+
+
+def test_grad_steps_through_two_denoising_loops_is_an_error():
+    """A block running the shipped loop twice: grad_steps cannot tell which loop's steps to count."""
+    with gradpatch.applied("diffusers"):
+        class TwiceDenoiseStep(denoise.StableDiffusionXLDenoiseStep):
+            @torch.no_grad()
+            def __call__(self, components, state):
+                components, state = super().__call__(components, state)
+                return super().__call__(components, state)
+
+        pipe, modules = build(loop=TwiceDenoiseStep)
+        inputs = embeds()
+        assert pipe(**call_kwargs(inputs, 2), cache=False, checkpoint_steps=True).requires_grad
+        with pytest.raises(RuntimeError, match="second denoising loop"):
+            pipe(**call_kwargs(inputs, 2), cache=False, grad_steps=1)
 
 
 def _block_classes() -> list[type]:
