@@ -53,26 +53,6 @@ class LacksParameter(NamedTuple):
         return Identity("known", self.label)
 
 
-class LiftableCall(NamedTuple):
-    """Recognise a plain function that does not take ``name`` yet (if it does, upstream fixed it) and
-    whose in-body ``with torch.no_grad():`` can be lifted (its source is the loaded code)."""
-
-    name: str
-    label: str
-
-    def identify(self, module: ModuleType, qualname: str, original: object) -> Identity:
-        from gradpatch.sampling.lifting.lift import LiftError, lift_no_grad
-
-        found = LacksParameter(self.name, self.label).identify(module, qualname, original)
-        if found.verdict != "known":
-            return found
-        try:
-            lift_no_grad(original)
-        except LiftError as error:
-            return Identity("unknown", f"not liftable: {error}")
-        return Identity("known", self.label)
-
-
 PATCHES = [
     Patch(
         "diffusers.pipelines",
@@ -89,7 +69,7 @@ PATCHES = [
         "diffusers.modular_pipelines",
         "diffusers.modular_pipelines.modular_pipeline:ModularPipeline.__call__",
         "gradpatch.sampling.families.diffusers_modular:modular_call",
-        LiftableCall("cache", "ModularPipeline.__call__ · in-body torch.no_grad()"),
+        LacksParameter("cache", "ModularPipeline.__call__ · in-body torch.no_grad()"),
         "diffusers",
         "modular pipeline __call__ takes cache=False (gradients), grad_steps, checkpoint_steps",
         requires=_REQUIRES,

@@ -331,3 +331,11 @@ def test_revert_restores_every_class_exactly():
     assert vars(ModularPipeline)["__call__"] is call and "__init_subclass__" not in vars(ModularPipelineBlocks)
     assert not hasattr(vars(late)["__call__"], "__gradpatch_original__")  # defined during apply: restored
     assert not hasattr(vars(_latent_shift_block())["__call__"], "__gradpatch_original__")  # after: untouched
+
+
+def test_cache_false_without_the_block_patch_is_an_error(built):
+    """The pipeline's patch alone would lift its in-body no_grad while every block stays decorated."""
+    pipe, modules = built
+    with gradpatch.applied("diffusers", exclude=["diffusers.modular_pipelines.blocks"]):
+        with pytest.raises(gradpatch.NotDifferentiableError, match="diffusers.modular_pipelines.blocks"):
+            pipe(**call_kwargs(embeds(), 2), cache=False)

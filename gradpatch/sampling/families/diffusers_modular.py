@@ -41,11 +41,11 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-from gradpatch.errors import RevertWarning, complain
+from gradpatch.errors import NotDifferentiableError, RevertWarning, complain
 from gradpatch.sampling.contract import accepted_keywords, sampler_entry
 from gradpatch.sampling.families.diffusers_run import differentiable_run, in_call
 from gradpatch.sampling.lifting.bytecode import no_grad_body
-from gradpatch.sampling.lifting.lift import lift_no_grad
+from gradpatch.sampling.lifting.lift import LiftError, lift_no_grad
 from gradpatch.sampling.options import SamplingOptions
 from gradpatch.sampling.run import SamplingRun, recording
 
@@ -198,6 +198,9 @@ class _Hierarchy:
         self.touched.clear()
 
 
+_installed: list[_Hierarchy] = []  # installations of the block hierarchy patch (active until reverted)
+
+
 def patch_block_hierarchy(inherited: Any) -> classmethod:
     """The fix factory for ``ModularPipelineBlocks.__init_subclass__``, which the base class inherits
     (the engine passes the inherited method, bound to the base): patches every block class defined so
@@ -209,16 +212,28 @@ def patch_block_hierarchy(inherited: Any) -> classmethod:
     except BaseException:
         state.revert()  # the engine records the failure; leave nothing half-patched
         raise
+    _installed[:] = [h for h in _installed if h.active] + [state]
     state.hook.__gradpatch_revert__ = state.revert  # type: ignore[attr-defined]
     return state.hook
 
 
 def modular_call(original: Callable[..., Any]) -> Callable[..., Any]:
-    """The fix factory for ``ModularPipeline.__call__`` (module docstring)."""
-    body = lift_no_grad(original)
+    """The fix factory for ``ModularPipeline.__call__`` (module docstring). A ``__call__`` whose in-body
+    ``no_grad`` cannot be lifted (source missing or edited since import) gets a ``cache=False`` that
+    raises :class:`~gradpatch.errors.NotDifferentiableError` instead of being ignored by its
+    ``**kwargs``; so does a call while the block hierarchy is not patched (excluded, or unknown code)."""
+    try:
+        body = lift_no_grad(original)
+    except LiftError as error:
+        return sampler_entry(original, None, family=FAMILY, describe=lambda args: f"{type(args[0]).__name__}",
+                             refusal=f"its in-body torch.no_grad() cannot be lifted: {error}")
 
     def run(this: SamplingRun, outer: SamplingRun | None, args: tuple, kwargs: dict) -> Any:
         pipe = args[0]
+        if not any(h.active for h in _installed):
+            raise NotDifferentiableError(f"{type(pipe).__name__}(cache=False): the blocks' @torch.no_grad() "
+                                         "__call__ are not patched (patch 'diffusers.modular_pipelines.blocks' "
+                                         "not applied: see gradpatch.report()), so nothing would get a gradient")
         if outer is not None and in_call(pipe):  # super().__call__ from a subclass's body: already set up
             return body(*args, **kwargs)
         token = _calls.set(_calls.get() + (pipe,))
