@@ -20,6 +20,7 @@ MODULES = (
     "e2_tts",
     "k_diffusion",
     "stable_audio_tools",
+    "thinksound",
     "matcha",
     "chatterbox",
     "seed_vc",
