@@ -136,7 +136,8 @@ SAT_FORK_TRIPLE = ("sample_discrete_euler", "sample_discrete_euler_with_temperat
 #: stable-audio-tools patches recognise it: ``patches/stable_audio_tools.py``) and SongBloom (GitHub
 #: tencent-ailab/SongBloom, ``SongBloom.models.musicldm.inference.sampling``, adding
 #: ``sample_discrete_euler_with_temperature`` and loops over plain ``zip``/``range`` unless
-#: ``prog_bar=True``), found at any path. The fix counts one evaluation per step
+#: ``prog_bar=True``), found at any path; so is a copy of stable-audio-tools 0.0.19's own module at another
+#: path (its ``sample_discrete_euler`` and ``sample``). The fix counts one evaluation per step
 #: (``gradpatch/sampling/families/functions.py``, :func:`counted_step_sampler`); extra keyword arguments
 #: still reach the model.
 SAT_FORKS = Family(
@@ -151,7 +152,9 @@ SAT_FORKS = Family(
     fingerprints=(
         (SAT_FORK_TRIPLE, {"20024f3b562d3f4d": "SongBloom git 0d0337b (2025-05-27) to ef78022 (2025-12-04)"}),
         (SAT_FORK_PAIR, {"0b54bf61611d9562": "ThinkSound 0.0.19 (PyPI thinksound); AudioX git 1bf5691 (2025-04-03) "
-                                             "to ca179cc (2025-04-17)"}),
+                                             "to ca179cc (2025-04-17)",
+                         # vendored elsewhere (its other samplers are left as they are at such a path)
+                         "a588d6c9baed9ceb": "stable-audio-tools 0.0.19 (a copy)"}),
     ),
 )
 

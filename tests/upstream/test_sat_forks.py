@@ -361,3 +361,39 @@ def test_plain_apply_patches_every_fork(tmp_path):
     result = last_json(run_python(PLAIN_APPLY.replace("sys.argv[1]", json.dumps(str(tmp_path)))))
     assert result == {"early": [True, True], "late": [True, True], "thinksound": [True, True],
                       "audiox": [True, True], "statuses": ["applied"]}
+
+
+@pytest.mark.slow
+def test_a_copy_of_stable_audio_tools_0_0_19_elsewhere_is_found(tmp_path, float64):
+    """stable-audio-tools 0.0.19's own ``inference/sampling.py`` (from its PyPI wheel) vendored under
+    another name: the scan recognises its ``sample_discrete_euler`` and ``sample``; N is ``steps``, or
+    ``len(sigmas) - 1`` where ``sample_rf`` passes ``sigmas``."""
+    from support import pypi_release
+
+    release = pypi_release("stable-audio-tools==0.0.19")
+    if isinstance(release, str):
+        pytest.skip(release)
+    (tmp_path / "vendored_sat").mkdir()
+    (tmp_path / "vendored_sat" / "__init__.py").write_text("")
+    source = (release / "stable_audio_tools" / "inference" / "sampling.py").read_text()
+    (tmp_path / "vendored_sat" / "sampling.py").write_text(source)
+    sys.path.insert(0, str(tmp_path))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with gradpatch.applied("thinksound"):
+                sampling = importlib.import_module("vendored_sat.sampling")
+                records = {r.patch: r for r in gradpatch.report()}
+                for name in ("sample_discrete_euler", "sample"):
+                    assert records[f"vendored_sat.sampling.{name}"].status == "applied"
+                    assert records[f"vendored_sat.sampling.{name}"].variant == "stable-audio-tools 0.0.19 (a copy)"
+                torch.manual_seed(0)
+                model, (x, cond) = Tiny().eval(), _inputs()
+                want = _grads(euler(model, x, STEPS - 2, cond), model, x, cond)
+                for how in ({"steps": STEPS}, {"sigmas": torch.linspace(1.0, 0, STEPS + 1)}):
+                    out = sampling.sample_discrete_euler(model, x, **how, cond=cond, cache=False, grad_steps=2)
+                    assert_grads_close(_grads(out, model, x, cond), want, rtol=1e-6)
+    finally:
+        sys.path.remove(str(tmp_path))
+        for name in [n for n in sys.modules if n.split(".")[0] == "vendored_sat"]:
+            del sys.modules[name]

@@ -40,7 +40,8 @@ inner one already handles straight through, also in a checkpoint recompute.
 Counted steps. The stable-audio-tools forks' Euler and v-diffusion samplers (ThinkSound, AudioX,
 SongBloom: :func:`counted_step_sampler`) evaluate ``model`` exactly once per iteration of a loop of
 ``steps`` iterations, which SongBloom runs over a plain ``zip``/``range`` unless ``prog_bar=True``: there the
-step is the evaluation's index and N the ``steps`` argument. An evaluation beyond the N-th, or a
+step is the evaluation's index and N the ``steps`` argument (``len(sigmas) - 1`` where stable-audio-tools
+0.0.19's copy is given ``sigmas`` instead). An evaluation beyond the N-th, or a
 ``grad_steps`` call that ends after fewer, raises RuntimeError instead of cutting at a wrong step.
 
 Adaptive samplers (``sample_dpm_fast``, ``sample_dpm_adaptive``) take ``cache`` and
@@ -191,7 +192,8 @@ def _sampler(original: Callable[..., T], *, adaptive: bool, counted: bool = Fals
                 loop = _Loop(name, (raw.__module__,))
                 if counted and options.grad_steps is not None:
                     bound.apply_defaults()
-                    loop.start(_steps(name, bound.arguments.get("steps")))
+                    steps, sigmas = bound.arguments.get("steps"), bound.arguments.get("sigmas")
+                    loop.start(_steps(name, len(sigmas) - 1 if steps is None and sigmas is not None else steps))
                 bound.arguments["model"] = _SteppedModel(bound.arguments["model"], loop, options, counted)
                 args, kwargs = bound.args, bound.kwargs
                 if counted and options.grad_steps is not None:
