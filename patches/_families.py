@@ -124,7 +124,41 @@ F5_SAMPLE = Family(
     }),),
 )
 
-FAMILIES = [CHECKPOINT, FLOW_MATCHING, F5_SAMPLE, LDM_SAMPLING]
+_COUNTED = "gradpatch.sampling.families.functions:counted_step_sampler"
+_SAT = "{}(cache=False): gradients through the sampler; grad_steps, checkpoint_steps"
+SAT_FORK_PAIR = ("sample_discrete_euler", "sample")
+SAT_FORK_TRIPLE = ("sample_discrete_euler", "sample_discrete_euler_with_temperature", "sample")
+
+#: stable-audio-tools' early ``inference/sampling.py`` (rectified-flow Euler ``sample_discrete_euler`` and
+#: v-diffusion DDIM ``sample``, both ``@torch.no_grad()``, one ``model(x, t, **extra_args)`` evaluation
+#: per step) as its forks ship it: ThinkSound (PyPI ``thinksound``, as ``ThinkSound.inference.sampling``),
+#: AudioX (GitHub ZeyueT/AudioX; installs its copy *as* ``stable_audio_tools``, so the declared
+#: stable-audio-tools patches recognise it: ``patches/stable_audio_tools.py``) and SongBloom (GitHub
+#: tencent-ailab/SongBloom, ``SongBloom.models.musicldm.inference.sampling``, adding
+#: ``sample_discrete_euler_with_temperature`` and loops over plain ``zip``/``range`` unless
+#: ``prog_bar=True``), found at any path; so is a copy of stable-audio-tools 0.0.19's own module at another
+#: path (its ``sample_discrete_euler`` and ``sample``). The fix counts one evaluation per step
+#: (``gradpatch/sampling/families/functions.py``, :func:`counted_step_sampler`); extra keyword arguments
+#: still reach the model.
+SAT_FORKS = Family(
+    "stable_audio_forks",
+    members=(
+        Member("sample_discrete_euler", FunctionShape(("model", "x", "steps")), _COUNTED,
+               _SAT.format("sample_discrete_euler")),
+        Member("sample_discrete_euler_with_temperature", FunctionShape(("model", "x", "steps", "temperature")),
+               _COUNTED, _SAT.format("sample_discrete_euler_with_temperature")),
+        Member("sample", FunctionShape(("model", "x", "steps", "eta")), _COUNTED, _SAT.format("sample")),
+    ),
+    fingerprints=(
+        (SAT_FORK_TRIPLE, {"20024f3b562d3f4d": "SongBloom git 0d0337b (2025-05-27) to ef78022 (2025-12-04)"}),
+        (SAT_FORK_PAIR, {"0b54bf61611d9562": "ThinkSound 0.0.19 (PyPI thinksound); AudioX git 1bf5691 (2025-04-03) "
+                                             "to ca179cc (2025-04-17)",
+                         # vendored elsewhere (its other samplers are left as they are at such a path)
+                         "a588d6c9baed9ceb": "stable-audio-tools 0.0.19 (a copy)"}),
+    ),
+)
+
+FAMILIES = [CHECKPOINT, FLOW_MATCHING, F5_SAMPLE, LDM_SAMPLING, SAT_FORKS]
 
 
 def checkpoint_family(upstream: str, module: str, known: Mapping[str, str], *,

@@ -20,6 +20,11 @@ Decoding (``decode=True`` with a pretransform) stays differentiable: the autoenc
 weights are frozen unless the pretransform was built with ``enable_grad=True``. ``cond_fn`` guidance
 (``make_cond_model_fn``) detaches the denoiser's output by design.
 
+AudioX (GitHub ZeyueT/AudioX, distribution ``AudioX``) installs its copy of the early sampling module *as*
+``stable_audio_tools``: its ``sample_discrete_euler`` and ``sample`` (ThinkSound's, ``patches/thinksound.py``)
+are recognised here by their fingerprints (no stable-audio-tools distribution: the fingerprint decides);
+it defines none of 0.0.19's other samplers, whose patches are then skipped.
+
 0.0.20 declares Python < 3.11 and pins torch 2.7.1; both releases import and run on Python 3.11 with
 current torch when installed with ``--no-deps``.
 """
@@ -47,9 +52,16 @@ OWN_SAMPLERS = {  # 0.0.19
 VENDORED = ["sample_heun", "sample_dpm_2", "sample_lms", "sample_dpm_fast", "sample_dpm_adaptive",
             "sample_dpmpp_2s_ancestral", "sample_dpmpp_2m", "sample_dpmpp_2m_sde", "sample_dpmpp_3m_sde"]
 
+AUDIOX = {  # ZeyueT/AudioX stable_audio_tools/inference/sampling.py, git 1bf5691 (2025-04-03) to ca179cc
+    "sample_discrete_euler": "2d571fb5ea424c4e",
+    "sample": "de7672e3f6585259",
+}
+_AUDIOX = "AudioX git 1bf5691 (2025-04-03) to ca179cc (2025-04-17) · GitHub ZeyueT/AudioX"
+
 PATCHES = [
     *(Patch(f"stable_audio_tools.{name}", f"{_MODULE}:{name}", _FIX,
-            Fingerprints({digest: "stable-audio-tools 0.0.19 · PyPI stable-audio-tools 0.0.19"},
+            Fingerprints({digest: "stable-audio-tools 0.0.19 · PyPI stable-audio-tools 0.0.19",
+                          **({AUDIOX[name]: _AUDIOX} if name in AUDIOX else {})},
                          fixed_if=has_parameter("cache")),
             "stable_audio_tools", f"{name}(cache=False): gradients through the sampler; grad_steps, "
                                   "checkpoint_steps", _OWN)

@@ -175,7 +175,11 @@ class Ledger:
             if problem:
                 self.record(patch, Status.SKIPPED, problem, version=version)
                 return
-            owner, attr, original = locate(module, patch.qualname)
+            try:
+                owner, attr, original = locate(module, patch.qualname)
+            except LookupError as absent:  # this version or copy (AudioX's stable_audio_tools) lacks it
+                self.record(patch, Status.SKIPPED, f"not defined here: {absent}", version=version)
+                return
             if original is MISSING:  # an inherited class attribute: recognise what the class sees
                 original = getattr(owner, attr)
             ours = next((i.name for i in self._installed.values() if i.replacement is original), None)

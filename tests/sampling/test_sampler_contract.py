@@ -1,8 +1,9 @@
 """One contract for every differentiable sampler (:mod:`gradpatch.sampling.contract`), one table of rows.
 
 Each row: a family's tiny real upstream model sampled in 2 steps (float64 where upstream allows): F5-TTS
-and E2-TTS (ODE), k-diffusion (sampler functions), AudioLDM DDIM (ldm natives), diffusers (a pipeline, a
-modular pipeline), imagen and the flow-matching family (string-form machinery), ``gradpatch.differentiable`` in both forms. Not a row:
+and E2-TTS (ODE), k-diffusion (sampler functions), ThinkSound (the stable-audio-tools forks), AudioLDM DDIM
+(ldm natives), diffusers (a pipeline, a modular pipeline), imagen and the flow-matching family (string-form
+machinery), ``gradpatch.differentiable`` in both forms. Not a row:
 stable-audio-tools, not installed here (its own tests install releases in the background). ``-s`` prints
 which checks passed.
 """
@@ -73,6 +74,16 @@ def kdiffusion(name: str, adaptive: bool = False) -> Callable[[], tuple]:
         if adaptive:  # steps chosen as it goes: no grad_steps
             return getattr(K.sampling, name), (net, x, 0.05, 5.0), dict(rtol=0.1, atol=0.1, disable=True), net
         return getattr(K.sampling, name), (net, x, K.sampling.get_sigmas_karras(2, 0.05, 5.0)), dict(disable=True), net
+    return build
+
+
+def thinksound(name: str) -> Callable[[], tuple]:
+    def build() -> tuple:
+        import ThinkSound.inference.sampling as sampling
+
+        torch.manual_seed(0)
+        net, x = Tiny(), _noise(2, 2, 8)
+        return getattr(sampling, name), (net, x, 2) + ((0.0,) if name == "sample" else ()), {}, net
     return build
 
 
@@ -182,6 +193,8 @@ CASES = [
     Case("k_diffusion sample_euler", kdiffusion("sample_euler"), True, True, "k_diffusion"),
     Case("k_diffusion sample_heun", kdiffusion("sample_heun"), True, True, "k_diffusion"),
     Case("k_diffusion sample_dpm_adaptive", kdiffusion("sample_dpm_adaptive", True), True, False, "k_diffusion"),
+    Case("thinksound sample_discrete_euler", thinksound("sample_discrete_euler"), True, True, "thinksound"),
+    Case("thinksound sample (v-diffusion)", thinksound("sample"), True, True, "thinksound"),
     Case("audioldm DDIMSampler.sample", audioldm, True, True, "audioldm", double=False),
     Case("diffusers StableDiffusionPipeline", diffusers, True, True, "diffusers"),
     Case("diffusers modular SDXL blocks", diffusers_modular, True, True, "diffusers"),

@@ -37,6 +37,13 @@ call wrapped around the user's denoiser: for ``sample_diffusion``'s k-diffusion 
 noise either (parameter gradients are unaffected). An outer ``model`` wrapper passes evaluations the
 inner one already handles straight through, also in a checkpoint recompute.
 
+Counted steps. The stable-audio-tools forks' Euler and v-diffusion samplers (ThinkSound, AudioX,
+SongBloom: :func:`counted_step_sampler`) evaluate ``model`` exactly once per iteration of a loop of
+``steps`` iterations, which SongBloom runs over a plain ``zip``/``range`` unless ``prog_bar=True``: there the
+step is the evaluation's index and N the ``steps`` argument (``len(sigmas) - 1`` where stable-audio-tools
+0.0.19's copy is given ``sigmas`` instead). An evaluation beyond the N-th, or a
+``grad_steps`` call that ends after fewer, raises RuntimeError instead of cutting at a wrong step.
+
 Adaptive samplers (``sample_dpm_fast``, ``sample_dpm_adaptive``) take ``cache`` and
 ``checkpoint_steps``; their step count is decided as they go (``dpm_adaptive`` accepts or rejects
 steps by ``float(error)``), so ``grad_steps`` is refused with a ValueError. Gradients flow along the
@@ -47,6 +54,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import operator
 import sys
 from contextvars import ContextVar
 from typing import Any, Callable, Iterator, TypeVar
@@ -124,8 +132,8 @@ def _progress(module: str, original: Callable[..., Any]) -> Callable[..., Any]:
 class _SteppedModel:
     """The ``model`` argument, with each evaluation run through :func:`run_step` at the loop's step."""
 
-    def __init__(self, model: Callable[..., Any], loop: _Loop, options: SamplingOptions) -> None:
-        self.model, self.loop, self.options = model, loop, options
+    def __init__(self, model: Callable[..., Any], loop: _Loop, options: SamplingOptions, counted: bool = False) -> None:
+        self.model, self.loop, self.options, self.counted = model, loop, options, counted
 
     def _evaluate(self, *args: Any, **kwargs: Any) -> Any:
         token = _evaluating.set(True)  # also set in a checkpoint recompute: outer wrappers pass through
@@ -138,6 +146,11 @@ class _SteppedModel:
         if _evaluating.get():  # an inner patched sampler's evaluation: it counted the step
             return self.model(*args, **kwargs)
         loop = self.loop
+        if self.counted:  # one evaluation per step: this evaluation's index is the step
+            loop.step += 1
+            if loop.total is not None and loop.step >= loop.total:
+                raise RuntimeError(f"{loop.sampler}: evaluated the model more than once per step (evaluation "
+                                   f"{loop.step + 1} of {loop.total} steps), which grad_steps cannot count")
         if self.options.grad_steps is not None and loop.total is None:
             raise RuntimeError(f"{loop.sampler}: grad_steps needs every denoiser evaluation inside the "
                                "sampler's step loop, but the model was called before the loop started; "
@@ -148,7 +161,17 @@ class _SteppedModel:
         return getattr(self.__dict__["model"], name)
 
 
-def _sampler(original: Callable[..., T], *, adaptive: bool) -> Callable[..., T]:
+def _steps(name: str, value: Any) -> int:
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        return operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name}: grad_steps counts the `steps` steps of the call, but steps={value!r} is not an "
+                         "integer; pass steps as an int") from None
+
+
+def _sampler(original: Callable[..., T], *, adaptive: bool, counted: bool = False) -> Callable[..., T]:
     raw = inspect.unwrap(original)
     signature = inspect.signature(raw)
     name = f"{raw.__module__}.{raw.__qualname__}"
@@ -167,8 +190,18 @@ def _sampler(original: Callable[..., T], *, adaptive: bool) -> Callable[..., T]:
             if stepped:
                 bound = signature.bind(*args, **kwargs)
                 loop = _Loop(name, (raw.__module__,))
-                bound.arguments["model"] = _SteppedModel(bound.arguments["model"], loop, options)
+                if counted and options.grad_steps is not None:
+                    bound.apply_defaults()
+                    steps, sigmas = bound.arguments.get("steps"), bound.arguments.get("sigmas")
+                    loop.start(_steps(name, len(sigmas) - 1 if steps is None and sigmas is not None else steps))
+                bound.arguments["model"] = _SteppedModel(bound.arguments["model"], loop, options, counted)
                 args, kwargs = bound.args, bound.kwargs
+                if counted and options.grad_steps is not None:
+                    out = raw(*args, **kwargs)
+                    if loop.step + 1 != loop.total:
+                        raise RuntimeError(f"{name}: evaluated the model {loop.step + 1} times for steps="
+                                           f"{loop.total}; grad_steps needs one evaluation per step")
+                    return out
                 if options.grad_steps is not None and module is not None:
                     for global_name in progress:
                         stack.enter_context(shadow(module, global_name, functools.partial(_progress, raw.__module__)))
@@ -186,6 +219,17 @@ def fixed_step_sampler(original: Callable[..., T]) -> Callable[..., T]:
     ``trange``/``tqdm`` loop of its module (k-diffusion's fixed-schedule samplers, stable-audio-tools'
     samplers and ``sample_diffusion``). A new object per call."""
     return _sampler(original, adaptive=False)
+
+
+def counted_step_sampler(original: Callable[..., T]) -> Callable[..., T]:
+    """Fix factory for a ``@torch.no_grad()`` sampler function evaluating ``model`` once per step, for
+    ``steps`` steps (the stable-audio-tools forks' ``sample_discrete_euler``, ``sample`` and SongBloom's
+    ``sample_discrete_euler_with_temperature``, whose loops need not go through a progress bar). Its
+    ``__module__`` is gradpatch's: the members of that family are recognised together, and a member
+    already replaced counts as the definition gradpatch recognised before replacing it."""
+    fixed = _sampler(original, adaptive=False, counted=True)
+    fixed.__module__ = __name__
+    return fixed
 
 
 def adaptive_sampler(original: Callable[..., T]) -> Callable[..., T]:
