@@ -86,3 +86,35 @@ def test_alignprop_gradients_equal_trl_0_23_1(checkpointed):
             torch.testing.assert_close(g, w, rtol=1e-9, atol=floor)
         by_k.append(torch.cat([w.flatten() for w in want]))
     assert not any(torch.allclose(a, b) for i, a in enumerate(by_k) for b in by_k[i + 1:])  # K matters
+
+
+def test_audioldm_clap_recipe_reward_rises(capsys):
+    rewards = recipe("reward_audioldm_clap").main(["--steps", "6"])
+    assert "reward: first quarter" in capsys.readouterr().out
+    assert_rose(rewards)
+
+
+def test_f5_tts_vocos_recipe_reward_rises(capsys):
+    rewards = recipe("reward_f5_tts").main(["--steps", "6"])
+    assert "reward: first quarter" in capsys.readouterr().out
+    assert_rose(rewards)
+
+
+def test_f5_recipe_vocoder_and_no_grad_scorer_gradients():
+    """``gradpatch.differentiable`` around Vocos' ``@torch.inference_mode()`` ``decode`` and the recipe's
+    ``@torch.no_grad()`` scorer: the gradient reaching the mel equals that of the same functions with
+    their decorators removed by hand (float64), and the plain calls still give no graph."""
+    import inspect
+
+    import gradpatch
+
+    f5 = recipe("reward_f5_tts")
+    vocoder, scorer = f5.tiny_vocos().double(), f5.WaveformScorer().double()
+    mel = torch.randn(2, 16, 24, dtype=torch.float64, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    assert scorer.score(vocoder.decode(mel.detach())).grad_fn is None
+    undecorated = inspect.unwrap(type(scorer).score)(scorer, inspect.unwrap(type(vocoder).decode)(vocoder, mel))
+    (want,) = torch.autograd.grad(undecorated.sum(), mel)
+    got = gradpatch.differentiable(scorer.score)(gradpatch.differentiable(vocoder.decode)(mel))
+    (got,) = torch.autograd.grad(got.sum(), mel)
+    assert want.abs().max() > 0
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12 * want.abs().max().item())
