@@ -49,8 +49,8 @@ def sample(pipe: object, embeds: tuple[torch.Tensor, torch.Tensor], latents: tor
 def main(argv: list[str] | None = None) -> list[float]:
     """Train; print and return the mean reward of each step."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--lr", type=float, default=3e-2)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--grad-steps", type=int, nargs=2, default=(1, 3), metavar=("LO", "HI"))
     parser.add_argument("--batch", type=int, default=2)
     args = parser.parse_args(argv)
