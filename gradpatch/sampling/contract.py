@@ -6,10 +6,16 @@ latent-diffusion family's entry points, diffusers pipelines, imagen, the flow-ma
 :func:`gradpatch.differentiable` in both forms. The entry alone decides, in this order:
 
 1. **Values.** ``cache`` is ``True`` or ``False`` (``"False"``, ``0``: TypeError); ``grad_steps`` is
-   None or a positive integer (``2.5``, ``"2"``, ``True``: TypeError; ``0``, ``-1``: ValueError);
-   ``checkpoint_steps`` is a boolean or ``"budget:<size>"`` (``"yes"``, ``1``: TypeError;
-   ``"budget:-1MiB"``: ValueError). Values are checked before anything else, so ``grad_steps=2.5`` alone
-   is a TypeError everywhere, whatever ``cache`` is.
+   None, a positive integer (``2.5``, ``"2"``, ``True``: TypeError; ``0``, ``-1``: ValueError) or a
+   range ``(lo, hi)`` of two positive integers with ``lo <= hi`` (``(1, 2, 3)``, ``(1.0, 2)``:
+   TypeError; ``(0, 2)``, ``(3, 2)``: ValueError); ``checkpoint_steps`` is a boolean or
+   ``"budget:<size>"`` (``"yes"``, ``1``: TypeError; ``"budget:-1MiB"``: ValueError). Values are checked
+   before anything else, so ``grad_steps=2.5`` alone is a TypeError everywhere, whatever ``cache`` is.
+   A range is randomized truncation (AlignProp): each ``cache=False`` call draws its K once, uniformly
+   in ``[lo, hi]`` (both ends included), before it runs, from the ``generator=`` it is given when that
+   is one ``torch.Generator`` (a seeded generator reproduces noise and K together), else from torch's
+   default generator (``torch.manual_seed`` reproduces it); the call then runs as with
+   ``grad_steps=K``, so every family takes it. ``(k, k)`` draws nothing: it is ``grad_steps=k``.
 2. **Misspelt options.** A keyword the sampler does not take by name that is close to one of the three
    (``grad_step=``, ``checkpoint_step=``, ``cahce=``) gives one :class:`~gradpatch.errors.ConfigWarning`
    naming the intended option (:class:`~gradpatch.errors.GradpatchError` in strict mode) and is removed;
@@ -69,7 +75,7 @@ def validate(cache: Any, grad_steps: Any, checkpoint_steps: Any, default_cache: 
         check_flag("cache", cache)
     options = SamplingOptions(grad_steps, bool(checkpoint_steps), step_budget(checkpoint_steps))
     flag = default_cache if cache is UNSET else bool(cache)
-    if flag and (options.grad_steps is not None or options.checkpoint_steps):
+    if flag and (options.truncates or options.checkpoint_steps):
         raise ValueError("grad_steps and checkpoint_steps control the graph built with cache=False; "
                          "with cache=True no graph is built. Pass cache=False as well.")
     return flag, options
@@ -105,7 +111,7 @@ def with_options(signature: inspect.Signature, default_cache: bool = True) -> in
     P = inspect.Parameter
     params = [p for p in signature.parameters.values() if p.name not in OPTIONS]
     extra = [P("cache", P.KEYWORD_ONLY, default=default_cache, annotation="bool"),
-             P("grad_steps", P.KEYWORD_ONLY, default=None, annotation="int | None"),
+             P("grad_steps", P.KEYWORD_ONLY, default=None, annotation="int | tuple[int, int] | None"),
              P("checkpoint_steps", P.KEYWORD_ONLY, default=False, annotation="bool | str")]
     at = next((i for i, p in enumerate(params) if p.kind is P.VAR_KEYWORD), len(params))
     return signature.replace(parameters=params[:at] + extra + params[at:])
@@ -145,9 +151,9 @@ def sampler_entry(original: Callable[..., Any], run: Optional[FamilyRun], *, fam
             return original(*args, **kwargs)
         if refusal is not None:
             raise NotDifferentiableError(f"{where} cannot run with cache=False: {refusal}")
-        this = SamplingRun(options, family=family)
+        this = SamplingRun(options.drawn(kwargs.get("generator")), family=family)  # rule 1: a range's K
         out = run(this, None, args, kwargs)  # type: ignore[misc]
-        if (options.grad_steps is not None or options.checkpoint_steps) and this.evaluations == 0 \
+        if (options.truncates or options.checkpoint_steps) and this.evaluations == 0 \
                 and not inspect.isgenerator(out):  # a generator's steps run as it is consumed
             raise RuntimeError(f"{where}: grad_steps/checkpoint_steps had no effect: {expected}")
         return out

@@ -25,7 +25,9 @@ options bound that (used with ``cache=False``):
   what the sampler computes before its first step (conditioning) and inputs used in the last K steps or
   after the loop (F5 pastes ``cond`` into the output) too. Guidance that differentiates through the step
   inside its own ``torch.enable_grad()`` keeps working (:mod:`gradpatch.sampling.steps.regions`). ``K >= N``
-  is the plain run.
+  is the plain run. ``grad_steps=(lo, hi)`` (randomized truncation, AlignProp) is this with K drawn once
+  per call, uniformly in ``[lo, hi]`` inclusive, before the run starts (:mod:`gradpatch.sampling.contract`,
+  rule 1): the run only ever sees the drawn K.
 * ``checkpoint_steps=True``: each denoiser evaluation is recomputed during backward instead of stored
   (through the fixed checkpoint's node, which replays the RNG, so dropout agrees), so saved memory
   grows by about one latent per step instead of one set of activations, at the cost of a second

@@ -274,7 +274,9 @@ def assert_grads_close(got: list, want: list, rtol: float) -> None:
 BAD = [({"cache": "False"}, TypeError), ({"cache": 0}, TypeError), ({"grad_steps": 2.5}, TypeError),
        ({"grad_steps": "2"}, TypeError), ({"grad_steps": True}, TypeError), ({"checkpoint_steps": "yes"}, TypeError),
        ({"checkpoint_steps": 1}, TypeError), ({"grad_steps": 0}, ValueError),
-       ({"grad_steps": -1, "cache": False}, ValueError), ({"checkpoint_steps": "budget:-1MiB", "cache": False}, ValueError)]
+       ({"grad_steps": -1, "cache": False}, ValueError), ({"checkpoint_steps": "budget:-1MiB", "cache": False}, ValueError),
+       ({"grad_steps": (1, 2.0), "cache": False}, TypeError), ({"grad_steps": (1, 2, 3)}, TypeError),
+       ({"grad_steps": (0, 2), "cache": False}, ValueError), ({"grad_steps": (2, 1)}, ValueError)]
 
 
 @pytest.mark.parametrize("bad, error", BAD, ids=[repr(b) for b, _ in BAD])
@@ -333,6 +335,33 @@ def test_the_signature_shows_the_options(row: Any) -> None:
     ran(case, "signature")
 
 
+def test_grad_steps_range(row: Any) -> None:
+    """``grad_steps=(k, k)`` is ``grad_steps=k`` bitwise (nothing drawn); ``(1, 2)`` draws K from torch's
+    default generator before the run: the same as drawing it by hand, then ``grad_steps=K``."""
+    case, sampler, args, kwargs, net = row
+    if not case.grad_steps:  # refused as grad_steps=1 is
+        with counted(net) as calls, pytest.raises(ValueError, match="grad_steps"):
+            call(sampler, args, kwargs, cache=False, grad_steps=(1, 2))
+        assert calls[0] == 0
+        return ran(case, "grad_steps=(lo, hi)")
+    out = call(sampler, args, kwargs, cache=False, grad_steps=(1, 1))
+    want = call(sampler, args, kwargs, cache=False, grad_steps=1)
+    assert torch.equal(out, want)
+    assert all(torch.equal(g, w) if w is not None else g is None
+               for g, w in zip(grads(out, net), grads(want, net), strict=True))
+    drawn = [call(sampler, args, kwargs, cache=False, grad_steps=(1, 2)) for _ in range(2)]
+    torch.manual_seed(0)
+    k = int(torch.randint(1, 3, (1,)))
+    by_hand = sampler(*args, **kwargs, cache=False, grad_steps=k)
+    by_hand = by_hand[0] if isinstance(by_hand, (tuple, list)) else by_hand
+    want = grads(by_hand, net)
+    for out in drawn:
+        assert torch.equal(out, by_hand)
+        assert all(torch.equal(g, w) if w is not None else g is None
+                   for g, w in zip(grads(out, net), want, strict=True))
+    ran(case, "grad_steps=(lo, hi)")
+
+
 JOINED = {"plain": {}, "checkpoint_steps": {"checkpoint_steps": True}, "grad_steps=1": {"grad_steps": 1}}
 
 
@@ -365,7 +394,7 @@ def test_an_option_that_reaches_no_step_had_no_effect() -> None:
 def test_zz_print_the_table() -> None:
     """The rows and the checks that passed in this run (ok; -: failed or not run); a row
     without grad_steps passes "join grad_steps=1" by refusing it, directly and joined alike.."""
-    checks = ["values", "misspelt", "default", "cache=True+option", "signature", "join plain",
+    checks = ["values", "misspelt", "default", "cache=True+option", "signature", "grad_steps=(lo, hi)", "join plain",
               "join checkpoint_steps", "join grad_steps=1", "had no effect"]
     print("\n" + "family".ljust(39) + "cache  grad_steps  " + "  ".join(checks))
     for case in [*CASES, Case("differentiable(fn, step=unused)", callable_form, False, False)]:
