@@ -30,4 +30,6 @@ MODULES = (
     "diffsinger",
     "tango",
     "audiolcm",
+    "diffsynth",
+    "wan",
 )
