@@ -58,6 +58,7 @@ EXERCISED = {
     "stable_audio_tools": ("test_stable_audio_sampling.py", "test_0_0_20_sample_diffusion", "package",
                            "stable_audio_tools"),
     "voxcpm": ("test_flow_matching_family.py", "test_gradients_equal_the_hand_fixed_loop", "package", "voxcpm"),
+    "wan": ("test_wan_replica.py", "test_declared_fixes_give_the_hand_fixed_gradients", "replica", "wan"),
 }
 
 PATCHES = sorted(load().values(), key=lambda p: p.name)
