@@ -256,3 +256,29 @@ def test_deepspeed_checkpoint_path_trains_frozen_input_blocks():
     assert_grads_close([torch.tensor(g, dtype=torch.float64) for g in result["got"]["patched"]],
                        [torch.tensor(g, dtype=torch.float64) for g in result["want"]], rtol=1e-4)
     assert result["first_block"] == {"upstream": 1, "patched": 2}  # the frozen-input block is checkpointed now
+
+
+def test_animate_motion_encoder_parameters_get_gradients():
+    """``Generator.get_motion`` (Wan-Animate's motion encoder) checkpoints ``enc_motion`` reentrantly on face
+    frames that never require grad: upstream, the encoder gets no gradient at all."""
+    import copy
+
+    from diffsynth.models.wan_video_animate_adapter import Generator
+
+    torch.manual_seed(0)
+    gen = Generator(size=8, style_dim=512, motion_dim=4).double()
+    faces = torch.randn(1, 3, 8, 8, dtype=torch.float64)
+    encoder = list(gen.enc.parameters())
+    with pytest.warns(UserWarning, match="requires_grad"):
+        upstream = gen.get_motion(faces)
+    assert _grads(upstream, encoder) == [None] * len(encoder)
+    with gradpatch.applied("diffsynth") as report:
+        assert {r.patch: r.status for r in report}["diffsynth.Generator.get_motion"] == gradpatch.Status.APPLIED
+        out = gen.get_motion(faces)
+    assert torch.equal(out, upstream)
+    ref = copy.deepcopy(gen)
+    want = _grads(ref.dec.direction(ref.enc.enc_motion(faces)), list(ref.parameters()))
+    got = _grads(out, list(gen.parameters()))
+    assert [g is None for g in want] == [g is None for g in got]
+    assert all(g is not None for g in got[:len(encoder)] if g is not None) and got[0] is not None  # the encoder trains
+    assert_grads_close([g for g in got if g is not None], [w for w in want if w is not None], rtol=1e-9)

@@ -65,7 +65,7 @@ class _Loop:
             bar = user(iterable, *args, **kwargs)
             if iterable is None or iterable is not getattr(self.pipe.scheduler, "timesteps", None):
                 return bar
-            return self._marked(bar, len(iterable))
+            return self._marked(bar, len(iterable))  # type: ignore[arg-type]  # (a tensor of timesteps)
 
         return progress_bar_cmd
 

@@ -49,10 +49,11 @@ class _Steps:
     """Step ``index`` of ``total``, advanced by each new timestep value a denoiser receives."""
 
     def __init__(self, name: str, total: int, grad_steps: int | None) -> None:
-        self.name, self.total, self.grad_steps, self.index, self.last = name, total, grad_steps, -1, None
+        self.name, self.total, self.grad_steps, self.index = name, total, grad_steps, -1
+        self.last: Any = None
 
     def position(self, args: tuple, kwargs: dict) -> tuple[int, int]:
-        t = kwargs.get("t", args[1] if len(args) > 1 else None)
+        t: Any = kwargs.get("t", args[1] if len(args) > 1 else None)
         value = float(t.flatten()[0].item()) if hasattr(t, "flatten") else t
         if value != self.last or self.index < 0:
             self.index, self.last = self.index + 1, value
