@@ -9,8 +9,10 @@ source its code object points at; autocast and ``no_sync`` stay); a step is the 
 evaluations (a forward of ``low_noise_model``/``high_noise_model``, ``model`` or ``noise_model``) at one
 timestep, ``sampling_steps`` of them (:mod:`gradpatch.sampling.families.wan`). ``Generator.get_motion``
 runs with that checkpoint non-reentrant. Fingerprints: every version of the methods in the repository's
-history (Wan-Video/Wan2.2@fa96d09, 2025-07-28, to 42bf4cf, 2026-03-17); tested on a replica in
-``tests/upstream/test_wan_replica.py`` (GitHub only: no package carries ``wan``).
+history (Wan-Video/Wan2.2@fa96d09, 2025-07-28, to 42bf4cf, 2026-03-17). ``WanT2V.generate`` and
+``Generator.get_motion`` are tested on a replica in ``tests/upstream/test_wan_replica.py`` (GitHub only: no
+package carries ``wan``); the other ``generate`` methods have the same loop shape (one multi-item ``with``,
+denoisers called with ``t=timestep``) and are declared by fingerprint, not replicated.
 """
 from gradpatch.patching.fingerprint import Fingerprints
 from gradpatch.patching.patch import Patch

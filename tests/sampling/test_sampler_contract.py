@@ -1,7 +1,8 @@
 """One contract for every differentiable sampler (:mod:`gradpatch.sampling.contract`), one table of rows.
 
 Each row: a family's tiny real upstream model sampled in 2 steps (float64 where upstream allows): F5-TTS
-and E2-TTS (ODE), k-diffusion (sampler functions), AudioLDM DDIM (ldm natives), diffusers, imagen and the
+and E2-TTS (ODE), k-diffusion (sampler functions), AudioLDM DDIM (ldm natives), diffusers, DiffSynth-Studio
+(a ``BasePipeline`` hierarchy), imagen and the
 flow-matching family (string-form machinery), ``gradpatch.differentiable`` in both forms. Not a row:
 stable-audio-tools, not installed here (its own tests install releases in the background). ``-s`` prints
 which checks passed.
@@ -94,6 +95,14 @@ def diffusers() -> tuple:
                                    return_dict=False), pipe.unet
 
 
+def diffsynth() -> tuple:
+    import diffsynth_tiny
+    from diffsynth.pipelines.wan_video import WanVideoPipeline
+
+    pipe, _ = diffsynth_tiny.pipeline(WanVideoPipeline, video=True)
+    return pipe.__call__, (), diffsynth_tiny.call_kwargs(True, steps=2), pipe.dit
+
+
 def _imagen_offline() -> Any:
     """``imagen_pytorch``: its import reads T5's config.json, served from a temporary offline cache."""
     import huggingface_hub.constants as hub
@@ -175,6 +184,7 @@ CASES = [
     Case("k_diffusion sample_dpm_adaptive", kdiffusion("sample_dpm_adaptive", True), True, False, "k_diffusion"),
     Case("audioldm DDIMSampler.sample", audioldm, True, True, "audioldm", double=False),
     Case("diffusers StableDiffusionPipeline", diffusers, True, True, "diffusers"),
+    Case("diffsynth WanVideoPipeline", diffsynth, True, True, "diffsynth"),
     Case("imagen Imagen.p_sample_loop", imagen, True, True, "imagen_pytorch"),
     Case("matcha CFM.forward", flow(testing_flow.matcha_cfm), True, True, "matcha"),
     Case("chatterbox CausalConditionalCFM", flow(testing_flow.chatterbox_cfm), True, True, "chatterbox",

@@ -16,88 +16,20 @@ import torch
 
 import gradpatch
 from gradpatch.errors import NotDifferentiableError
+from diffsynth_tiny import call_kwargs, model_fn, pipeline
 from support import assert_grads_close, run_python
 
 import diffsynth  # noqa: F401  (declared: fails, never skips, when missing)
-from diffsynth.diffusion.base_pipeline import BasePipeline, PipelineUnit
+from diffsynth.diffusion.base_pipeline import BasePipeline
 from diffsynth.pipelines.wan_video import WanVideoPipeline
 from diffsynth.pipelines.z_image import ZImagePipeline
 
 pytestmark = pytest.mark.usefixtures("single_thread")
-C, H, W, D, STEPS, CFG = 2, 4, 4, 8, 4, 2.0
-
-
-class DiT(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.inp, self.ctx, self.out = torch.nn.Conv2d(C, D, 1), torch.nn.Linear(D, D), torch.nn.Conv2d(D, C, 1)
-
-    def forward(self, x, t, context):
-        h = self.inp(x) + self.ctx(context)[:, :, None, None] + t.view(-1, 1, 1, 1) / 1000
-        return self.out(torch.tanh(h))
-
-
-class Text(torch.nn.Module):  # a prompt -> one embedding
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = torch.nn.Embedding(128, D)
-
-    def forward(self, prompt: str):
-        return self.embed(torch.tensor([ord(c) % 128 for c in prompt or " "])).mean(0, keepdim=True)
-
-
-class VAE(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv = torch.nn.Conv2d(C, 3, 1)
-
-    def forward(self, z):
-        return self.conv(z)
-
-    def decode(self, z, device=None, tiled=False, tile_size=None, tile_stride=None):
-        return self(z[:, :, 0])[:, :, None]  # (B, C, T=1, H, W)
-
-
-class Noise(PipelineUnit):
-    def __init__(self, noise) -> None:
-        super().__init__(input_params=("seed",), output_params=("latents",))
-        self.noise = noise
-
-    def process(self, pipe, seed):
-        return {"latents": self.noise.clone()}
-
-
-class Prompt(PipelineUnit):
-    def __init__(self) -> None:
-        super().__init__(seperate_cfg=True, input_params_posi={"prompt": "prompt"},
-                         input_params_nega={"prompt": "negative_prompt"}, output_params=("context",))
-
-    def process(self, pipe, prompt):
-        return {"context": pipe.text(prompt)}
-
-
-def model_fn(dit=None, latents=None, timestep=None, context=None, **kwargs):
-    x = latents[:, :, 0] if latents.dim() == 5 else latents
-    out = dit(x, timestep, context)
-    return out[:, :, None] if latents.dim() == 5 else out
-
-
-def _pipeline(cls, video: bool):
-    torch.manual_seed(0)
-    pipe = cls(device="cpu", torch_dtype=torch.float64)
-    pipe.dit, pipe.text, pipe.vae_decoder = DiT().double(), Text().double(), VAE().double()
-    pipe.vae = pipe.vae_decoder
-    noise = torch.randn((1, C, 1, H, W) if video else (1, C, H, W), dtype=torch.float64)
-    pipe.units, pipe.post_units, pipe.model_fn = [Noise(noise), Prompt()], [], model_fn
-    return pipe, noise
+STEPS, CFG = 4, 2.0
 
 
 def _call(pipe, video: bool, **options):
-    kwargs = dict(prompt="a cat", negative_prompt="blurry", num_inference_steps=STEPS, cfg_scale=CFG, seed=0,
-                  progress_bar_cmd=lambda iterable: iterable)
-    if video:
-        kwargs.update(output_type="floatpoint", height=16, width=16, num_frames=1, tiled=False)
-    return pipe(**kwargs, **options)
+    return pipe(**call_kwargs(video, STEPS, CFG), **options)
 
 
 def _params(pipe) -> list[torch.Tensor]:
@@ -131,7 +63,7 @@ def applied():
 
 
 def test_upstream_gives_no_graph_and_takes_no_cache():
-    pipe, _ = _pipeline(WanVideoPipeline, video=True)
+    pipe, _ = pipeline(WanVideoPipeline, video=True)
     assert not hasattr(WanVideoPipeline.__call__, "__gradpatch_original__")
     with pytest.raises(TypeError, match="cache"):
         _call(pipe, True, cache=False)
@@ -144,7 +76,7 @@ def test_upstream_gives_no_graph_and_takes_no_cache():
 def test_cache_false_gradients_equal_the_hand_written_loop(applied, cls, options):
     assert applied["diffsynth.pipelines"].status == gradpatch.Status.APPLIED
     video = cls is WanVideoPipeline
-    pipe, noise = _pipeline(cls, video)
+    pipe, noise = pipeline(cls, video)
     if not video:  # its body ends in vae_output_to_image (PIL): this instance keeps the tensor instead
         pipe.vae_output_to_image = lambda image, **kw: image
     params = _params(pipe)
@@ -159,11 +91,8 @@ def test_cache_false_gradients_equal_the_hand_written_loop(applied, cls, options
 
 
 def test_cache_true_is_bitwise_upstream_and_the_signature(applied):
-    pipe, _ = _pipeline(WanVideoPipeline, video=True)
-    before = WanVideoPipeline.__call__.__gradpatch_original__(pipe, **{
-        k: v for k, v in dict(prompt="a cat", negative_prompt="blurry", num_inference_steps=STEPS, cfg_scale=CFG,
-                              seed=0, progress_bar_cmd=lambda it: it, output_type="floatpoint", height=16, width=16,
-                              num_frames=1, tiled=False).items()})
+    pipe, _ = pipeline(WanVideoPipeline, video=True)
+    before = WanVideoPipeline.__call__.__gradpatch_original__(pipe, **call_kwargs(True, STEPS, CFG))
     assert torch.equal(_call(pipe, True), before) and torch.equal(_call(pipe, True, cache=True), before)
     assert {"cache", "grad_steps", "checkpoint_steps", "output_type"} <= set(
         inspect.signature(WanVideoPipeline.__call__).parameters)
@@ -172,10 +101,10 @@ def test_cache_true_is_bitwise_upstream_and_the_signature(applied):
 
 
 def test_pil_output_is_an_error_saying_how_to_get_the_tensor(applied):
-    pipe, _ = _pipeline(ZImagePipeline, video=False)
+    pipe, _ = pipeline(ZImagePipeline, video=False)
     with pytest.raises(NotDifferentiableError, match="vae_output_to_image.*lambda image"):
         _call(pipe, False, cache=False)  # the body ends in a PIL image: never returned detached
-    video, _ = _pipeline(WanVideoPipeline, video=True)
+    video, _ = pipeline(WanVideoPipeline, video=True)
     with pytest.raises(ValueError, match="output_type='floatpoint'"):
         video(prompt="a cat", num_inference_steps=2, output_type="quantized", cache=False)
 
@@ -280,5 +209,5 @@ def test_animate_motion_encoder_parameters_get_gradients():
     want = _grads(ref.dec.direction(ref.enc.enc_motion(faces)), list(ref.parameters()))
     got = _grads(out, list(gen.parameters()))
     assert [g is None for g in want] == [g is None for g in got]
-    assert all(g is not None for g in got[:len(encoder)] if g is not None) and got[0] is not None  # the encoder trains
+    assert any(g is not None for g in got[:len(encoder)])  # the encoder trains now
     assert_grads_close([g for g in got if g is not None], [w for w in want if w is not None], rtol=1e-9)
