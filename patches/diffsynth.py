@@ -35,7 +35,10 @@ PATCHES = [
         "diffsynth.gradient_checkpoint_forward",
         "diffsynth.core.gradient.gradient_checkpoint:gradient_checkpoint_forward",
         "gradpatch.sampling.families.diffsynth_checkpoint:gradient_checkpoint_forward",
-        Fingerprints({"aacc91ded6fee158": "diffsynth 2.1.12"},
+        Fingerprints({"aacc91ded6fee158": "diffsynth 2.1.12",
+                      # passes keyword arguments positionally on that path; the fix passes them by name, as its
+                      # other paths do
+                      "0c4ac0965aedafe7": "modelscope/DiffSynth-Studio@4ec4d9c (2026-03-17) to fed7b18 (2026-08-20)"},
                      over=("gradient_checkpoint_forward", "judge_args_requires_grad",
                            "create_custom_forward_use_reentrant")),
         "diffsynth",
@@ -46,7 +49,8 @@ PATCHES = [
         "diffsynth.Generator.get_motion",
         "diffsynth.models.wan_video_animate_adapter:Generator.get_motion",
         "gradpatch.sampling.families.wan:motion_non_reentrant",
-        Fingerprints({"12cea4ef5f127399": "diffsynth 2.1.12"}),
+        Fingerprints({"12cea4ef5f127399": "diffsynth 2.1.12 = modelscope/DiffSynth-Studio@a36f2f6 (2025-09-30) to "
+                                          "fed7b18 (2026-08-20)"}),
         "diffsynth",
         "Wan-Animate motion encoder checkpoint non-reentrant: its parameters get gradients",
         requires=_REQUIRES,
