@@ -211,3 +211,29 @@ def test_animate_motion_encoder_parameters_get_gradients():
     assert [g is None for g in want] == [g is None for g in got]
     assert any(g is not None for g in got[:len(encoder)])  # the encoder trains now
     assert_grads_close([g for g in got if g is not None], [w for w in want if w is not None], rtol=1e-9)
+
+
+def test_apply_before_import_patches_every_pipeline_and_the_checkpoint():
+    done = run_python("""
+        import json, gradpatch
+        gradpatch.apply("diffsynth")
+        import torch
+        from diffsynth.diffusion.base_pipeline import BasePipeline
+        from diffsynth.pipelines.wan_video import WanVideoPipeline
+        import diffsynth.models.wan_video_dit as dit
+        from diffsynth.core.gradient import gradient_checkpoint as gc
+        def classes(base):
+            for cls in base.__subclasses__():
+                yield cls
+                yield from classes(cls)
+        own = [c for c in classes(BasePipeline) if "__call__" in vars(c)]
+        print(json.dumps({"pipelines": len(own),
+                          "patched": sum(hasattr(c.__call__, "__gradpatch_original__") for c in own),
+                          "wan": "cache" in str(__import__("inspect").signature(WanVideoPipeline.__call__)),
+                          "checkpoint": dit.gradient_checkpoint_forward is gc.gradient_checkpoint_forward,
+                          "status": {r.patch: str(r.status) for r in gradpatch.report() if r.upstream == "diffsynth"}}))
+    """)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["pipelines"] >= 1 and result["patched"] == result["pipelines"] and result["wan"], result
+    assert result["checkpoint"] and result["status"]["diffsynth.gradient_checkpoint_forward"] == "applied", result
