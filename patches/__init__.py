@@ -32,4 +32,6 @@ MODULES = (
     "diffsinger",
     "tango",
     "audiolcm",
+    "diffsynth",
+    "wan",
 )

@@ -38,6 +38,8 @@ EXERCISED = {
                                     "denoising_diffusion_pytorch"),
     "diffusers": ("test_diffusers_pipelines.py", "test_cache_false_matches_undecorated_reference", "package",
                   "diffusers"),
+    "diffsynth": ("test_diffsynth_pipelines.py", "test_cache_false_gradients_equal_the_hand_written_loop", "package",
+                  "diffsynth"),
     "e2_tts": ("test_e2_sampling.py", "test_gradients_equal_the_unwrapped_body", "package", "e2_tts"),
     "f5_tts": ("test_f5_sampling.py", "test_gradients_equal_the_unwrapped_body", "package", "f5_tts"),
     "guided_diffusion": ("test_guided_diffusion_sampling.py", "test_loop_gradients_equal_the_hand_written_loop", "package",
@@ -59,6 +61,7 @@ EXERCISED = {
                            "stable_audio_tools"),
     "thinksound": ("test_sat_forks.py", "test_gradients_equal_the_hand_written_loop", "package", "ThinkSound"),
     "voxcpm": ("test_flow_matching_family.py", "test_gradients_equal_the_hand_fixed_loop", "package", "voxcpm"),
+    "wan": ("test_wan_replica.py", "test_declared_fixes_give_the_hand_fixed_gradients", "replica", "wan"),
 }
 
 PATCHES = sorted(load().values(), key=lambda p: p.name)

@@ -2,10 +2,10 @@
 
 Each row: a family's tiny real upstream model sampled in 2 steps (float64 where upstream allows): F5-TTS
 and E2-TTS (ODE), k-diffusion (sampler functions), ThinkSound (the stable-audio-tools forks), AudioLDM DDIM
-(ldm natives), diffusers (a pipeline, a modular pipeline), imagen and the flow-matching family (string-form
-machinery), ``gradpatch.differentiable`` in both forms. Not a row:
-stable-audio-tools, not installed here (its own tests install releases in the background). ``-s`` prints
-which checks passed.
+(ldm natives), diffusers (a pipeline, a modular pipeline), DiffSynth-Studio (a ``BasePipeline`` hierarchy),
+imagen and the flow-matching family (string-form machinery), ``gradpatch.differentiable`` in both forms.
+Not a row: stable-audio-tools, not installed here (its own tests install releases in the background).
+``-s`` prints which checks passed.
 """
 from __future__ import annotations
 
@@ -114,6 +114,14 @@ def diffusers_modular() -> tuple:
     return pipe.__call__, (), modular.call_kwargs(modular.embeds(), 2, seeded=False), modules["unet"]
 
 
+def diffsynth() -> tuple:
+    import diffsynth_tiny
+    from diffsynth.pipelines.wan_video import WanVideoPipeline
+
+    pipe, _ = diffsynth_tiny.pipeline(WanVideoPipeline, video=True)
+    return pipe.__call__, (), diffsynth_tiny.call_kwargs(True, steps=2), pipe.dit
+
+
 def _imagen_offline() -> Any:
     """``imagen_pytorch``: its import reads T5's config.json, served from a temporary offline cache."""
     import huggingface_hub.constants as hub
@@ -198,6 +206,7 @@ CASES = [
     Case("audioldm DDIMSampler.sample", audioldm, True, True, "audioldm", double=False),
     Case("diffusers StableDiffusionPipeline", diffusers, True, True, "diffusers"),
     Case("diffusers modular SDXL blocks", diffusers_modular, True, True, "diffusers"),
+    Case("diffsynth WanVideoPipeline", diffsynth, True, True, "diffsynth"),
     Case("imagen Imagen.p_sample_loop", imagen, True, True, "imagen_pytorch"),
     Case("matcha CFM.forward", flow(testing_flow.matcha_cfm), True, True, "matcha"),
     Case("chatterbox CausalConditionalCFM", flow(testing_flow.chatterbox_cfm), True, True, "chatterbox",

@@ -36,9 +36,10 @@ import re
 from typing import Any, Callable
 
 
-from gradpatch.errors import NotDifferentiableError, RevertWarning, complain
+from gradpatch.errors import NotDifferentiableError
 from gradpatch.sampling.contract import accepted_keywords, sampler_entry
 from gradpatch.sampling.families.diffusers_run import differentiable_run, in_call
+from gradpatch.sampling.families.hierarchy import Replace, hierarchy_fix
 from gradpatch.sampling.lifting.bytecode import no_grad_body
 from gradpatch.sampling.run import SamplingRun, recording
 
@@ -97,72 +98,24 @@ def _helper(original: Callable[..., Any], body: Callable[..., Any]) -> Callable[
     return helper
 
 
-class _Hierarchy:
-    """What one installation touched, so that revert restores exactly those objects."""
-
-    def __init__(self, base: type) -> None:
-        self.base, self.active = base, True
-        self.touched: list[tuple[type, str, object, object]] = []
-
-        def __init_subclass__(cls: type, **kwargs: Any) -> None:
-            super(base, cls).__init_subclass__(**kwargs)  # type: ignore[arg-type]  # (base is a class)
-            if self.active:
-                self.patch_class(cls)
-
-        self.hook: Any = classmethod(__init_subclass__)
-
-    def _set(self, cls: type, name: str, original: Any, replacement: Any) -> None:
-        replacement.__gradpatch_original__ = original
-        setattr(cls, name, replacement)
-        self.touched.append((cls, name, original, replacement))
-
-    def patch_class(self, cls: type) -> None:
-        original = vars(cls).get("__call__")
-        if inspect.isfunction(original) and _readable(original) and "cache" not in inspect.signature(original).parameters \
-                and not hasattr(original, "__gradpatch_original__"):  # a __call__ with its own ``cache``: theirs
-            body = None if getattr(cls, "_is_onnx", False) else no_grad_body(original)
-            reason = "ONNX pipelines run numpy" if getattr(cls, "_is_onnx", False) else \
-                "its __call__ is not decorated with @torch.no_grad(): no undecorated body to run"
-            self._set(cls, "__call__", original,
-                      _guarded_call(original, reason) if body is None else _differentiable_call(original, body))
-        for name, value in list(vars(cls).items()):
-            body = no_grad_body(value) if _HELPER.match(name) else None
-            if body is not None:
-                self._set(cls, name, value, _helper(value, body))
-
-    def install(self) -> None:
-        pending = [self.base]
-        seen: set[type] = set()
-        cls: type
-        while pending:
-            for cls in pending.pop().__subclasses__():
-                if cls not in seen:
-                    seen.add(cls)
-                    self.patch_class(cls)
-                    pending.append(cls)
-
-    def revert(self) -> None:
-        """Called by the engine after it removed ``__init_subclass__`` from the base class."""
-        self.active = False
-        for cls, name, original, replacement in reversed(self.touched):
-            if vars(cls).get(name) is replacement:
-                setattr(cls, name, original)
-            else:
-                complain(RevertWarning, f"gradpatch: not reverting {cls.__qualname__}.{name}: replaced since")
-        self.touched.clear()
+def _patch_class(cls: type, replace: Replace) -> None:
+    original = vars(cls).get("__call__")
+    if inspect.isfunction(original) and _readable(original) and "cache" not in inspect.signature(original).parameters \
+            and not hasattr(original, "__gradpatch_original__"):  # a __call__ with its own ``cache``: theirs
+        body = None if getattr(cls, "_is_onnx", False) else no_grad_body(original)
+        reason = "ONNX pipelines run numpy" if getattr(cls, "_is_onnx", False) else \
+            "its __call__ is not decorated with @torch.no_grad(): no undecorated body to run"
+        replace(cls, "__call__", original,
+                _guarded_call(original, reason) if body is None else _differentiable_call(original, body))
+    for name, value in list(vars(cls).items()):
+        body = no_grad_body(value) if _HELPER.match(name) else None
+        if body is not None:
+            replace(cls, name, value, _helper(value, body))
 
 
-def patch_pipeline_hierarchy(inherited: Any) -> classmethod:
-    """The fix factory for ``DiffusionPipeline.__init_subclass__``, which the base class inherits (the
-    engine passes the inherited method, bound to the base). Patches every pipeline class defined so
-    far and returns the ``__init_subclass__`` that patches each one defined later; the engine calls its
-    ``__gradpatch_revert__`` when it removes it again."""
-    state = _Hierarchy(inherited.__self__)
-    try:
-        state.install()
-    except BaseException:
-        state.revert()  # the engine records the failure; leave nothing half-patched
-        raise
-    state.hook.__gradpatch_revert__ = state.revert  # type: ignore[attr-defined]
-    return state.hook
+patch_pipeline_hierarchy = hierarchy_fix(_patch_class)
+"""The fix factory for ``DiffusionPipeline.__init_subclass__``, which the base class inherits (the
+engine passes the inherited method, bound to the base). Patches every pipeline class defined so
+far and returns the ``__init_subclass__`` that patches each one defined later; the engine calls its
+``__gradpatch_revert__`` when it removes it again (:mod:`gradpatch.sampling.families.hierarchy`)."""
 
