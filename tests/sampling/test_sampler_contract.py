@@ -106,9 +106,8 @@ def diffusers() -> tuple:
 
 
 def diffusers_modular() -> tuple:
-    """The tiny SDXL modular pipeline of tests/upstream/test_modular_pipelines.py (float64)."""
-    sys.path.insert(0, str(Path(__file__).parents[1] / "upstream"))
-    import test_modular_pipelines as modular
+    """The tiny SDXL modular pipeline of tests/modular_tiny.py (float64)."""
+    import modular_tiny as modular
 
     pipe, modules = modular.build()
     return pipe.__call__, (), modular.call_kwargs(modular.embeds(), 2, seeded=False), modules["unet"]

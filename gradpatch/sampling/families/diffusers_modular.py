@@ -41,9 +41,10 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-from gradpatch.errors import NotDifferentiableError, RevertWarning, complain
+from gradpatch.errors import NotDifferentiableError
 from gradpatch.sampling.contract import accepted_keywords, sampler_entry
 from gradpatch.sampling.families.diffusers_run import differentiable_run, in_call
+from gradpatch.sampling.families.hierarchy import Hierarchy, Replace
 from gradpatch.sampling.lifting.bytecode import no_grad_body
 from gradpatch.sampling.lifting.lift import LiftError, lift_no_grad
 from gradpatch.sampling.options import SamplingOptions
@@ -148,57 +149,17 @@ def _loop_step(original: Callable[..., Any]) -> Callable[..., Any]:
     return loop_step
 
 
-class _Hierarchy:
-    """What one installation touched, so that revert restores exactly those objects."""
-
-    def __init__(self, base: type) -> None:
-        self.base, self.active = base, True
-        self.touched: list[tuple[type, str, object, object]] = []
-
-        def __init_subclass__(cls: type, **kwargs: Any) -> None:
-            super(base, cls).__init_subclass__(**kwargs)  # type: ignore[arg-type]  # (base is a class)
-            if self.active:
-                self.patch_class(cls)
-
-        self.hook: Any = classmethod(__init_subclass__)
-
-    def _set(self, cls: type, name: str, original: Any, replacement: Any) -> None:
-        replacement.__gradpatch_original__ = original
-        setattr(cls, name, replacement)
-        self.touched.append((cls, name, original, replacement))
-
-    def patch_class(self, cls: type) -> None:
-        call = vars(cls).get("__call__")
-        body = None if hasattr(call, "__gradpatch_original__") else no_grad_body(call)
-        if call is not None and body is not None:
-            self._set(cls, "__call__", call, _block_call(call, body))
-        step = vars(cls).get("loop_step")
-        if inspect.isfunction(step) and not hasattr(step, "__gradpatch_original__"):
-            self._set(cls, "loop_step", step, _loop_step(step))
-
-    def install(self) -> None:
-        pending, seen = [self.base], {self.base}
-        self.patch_class(self.base)
-        cls: type
-        while pending:
-            for cls in pending.pop().__subclasses__():
-                if cls not in seen:
-                    seen.add(cls)
-                    self.patch_class(cls)
-                    pending.append(cls)
-
-    def revert(self) -> None:
-        """Called by the engine after it removed ``__init_subclass__`` from the base class."""
-        self.active = False
-        for cls, name, original, replacement in reversed(self.touched):
-            if vars(cls).get(name) is replacement:
-                setattr(cls, name, original)
-            else:
-                complain(RevertWarning, f"gradpatch: not reverting {cls.__qualname__}.{name}: replaced since")
-        self.touched.clear()
+def _patch_block_class(cls: type, replace: Replace) -> None:
+    call = vars(cls).get("__call__")
+    body = None if hasattr(call, "__gradpatch_original__") else no_grad_body(call)
+    if call is not None and body is not None:
+        replace(cls, "__call__", call, _block_call(call, body))
+    step = vars(cls).get("loop_step")
+    if inspect.isfunction(step) and not hasattr(step, "__gradpatch_original__"):
+        replace(cls, "loop_step", step, _loop_step(step))
 
 
-_installed: list[_Hierarchy] = []  # installations of the block hierarchy patch (active until reverted)
+_installed: list[Hierarchy] = []  # installations of the block hierarchy patch (active until reverted)
 
 
 def patch_block_hierarchy(inherited: Any) -> classmethod:
@@ -206,8 +167,9 @@ def patch_block_hierarchy(inherited: Any) -> classmethod:
     (the engine passes the inherited method, bound to the base): patches every block class defined so
     far and returns the ``__init_subclass__`` that patches each one defined later; the engine calls its
     ``__gradpatch_revert__`` when it removes it again."""
-    state = _Hierarchy(inherited.__self__)
+    state = Hierarchy(inherited.__self__, _patch_block_class)
     try:
+        _patch_block_class(state.base, state.replace)  # the base's own __call__ too
         state.install()
     except BaseException:
         state.revert()  # the engine records the failure; leave nothing half-patched
