@@ -39,7 +39,7 @@ SKIP_TORCH_NEWEST ?=
 JUNIT_DIR ?=
 junit = $(if $(JUNIT_DIR),--junitxml=$(JUNIT_DIR)/$(1).xml)
 
-.PHONY: demo test lint test-torch-lower test-torch-newest newcomer bench clean
+.PHONY: demo test lint docs test-torch-lower test-torch-newest newcomer bench clean
 
 $(VENV)/.installed: pyproject.toml requirements/test.txt requirements/upstream.txt requirements/upstream-build.txt
 	$(PYTHON) -m venv $(VENV)
@@ -60,7 +60,12 @@ lint: $(VENV)/.installed
 	$(PY) -m ruff check --no-cache gradpatch patches tests benchmarks examples
 	$(PY) -m mypy
 
-test: $(VENV)/.installed lint
+# The documentation site (mkdocs.yml), built strictly: a broken link, an API name that does not resolve or
+# any other warning fails it. The docs' Python blocks run in tests/project/test_docs_snippets.py.
+docs: $(VENV)/.installed
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet --site-dir build/site
+
+test: $(VENV)/.installed lint docs
 	GRADPATCH_TEST_ENV=main $(PY) -m pytest -n 2 --durations=15 $(call junit,main)
 ifeq ($(strip $(SKIP_TORCH_LOWER)),)
 	$(MAKE) test-torch-lower
