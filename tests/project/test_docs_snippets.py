@@ -41,9 +41,10 @@ def blocks(page: Path) -> list[tuple[str, str | None]]:
 
 
 HARNESS = r'''
-import contextlib, io, json, linecache, sys, traceback
+import contextlib, io, json, linecache, sys, traceback, types
 blocks = json.loads(sys.stdin.read())
-namespace = sys.modules["__main__"].__dict__
+main = sys.modules["__main__"] = types.ModuleType("__main__")  # the page's own __main__, apart from this loop's names
+namespace = main.__dict__
 printed = []
 for index, code in enumerate(blocks):
     name = f"<{PAGE} block {index + 1}>"
