@@ -24,7 +24,7 @@ LOWER_TESTS := tests/checkpointing/test_checkpoint_fix.py tests/checkpointing/te
 SKIP_TORCH_LOWER ?=
 
 # The newest torch release gets a venv of its own too, for the tests that import without the upstream
-# codebases (torchaudio 2.11, the newest, refuses to import on torch 2.15: README, Torch versions).
+# codebases (torchaudio 2.11, the newest, refuses to import on torch 2.15: docs/install.md).
 # Skipping it takes a reason: `make test SKIP_TORCH_NEWEST="why"`, which is printed. Its install reads
 # no pip configuration (PIP_CONFIG_FILE=/dev/null): a machine-wide constraints file that caps torch for
 # other environments must not apply to the one venv whose point is another torch.
@@ -99,7 +99,7 @@ test-torch-newest: $(NEWEST_VENV)/.installed
 	PYTHONPATH=. GRADPATCH_TEST_ENV=torch-newest $(NEWEST_PY) -m pytest -p no:cacheprovider $(call junit,torch-newest) $(NEWEST_TESTS)
 
 # The wheel in fresh virtual environments, installed as the README's Install section says, and the
-# README's Python blocks run there (also part of `make test`).
+# Python blocks of the README and of the docs pages whose blocks stand alone run there (also part of `make test`).
 newcomer: $(VENV)/.installed
 	$(PY) -m pytest -n 2 tests/project/test_newcomer.py tests/project/test_cli.py
 
