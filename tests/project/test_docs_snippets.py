@@ -96,6 +96,7 @@ def test_the_checker_reads_ellipses():
     assert not matches("a\nz", "a\nb\nz") and not matches("loss 1.2", "loss 1.3")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("page", RUN, ids=[p.relative_to(ROOT).as_posix() for p in RUN])
 def test_every_python_block_runs_and_prints_what_the_page_shows(page, tmp_path):
     result = run_page(page, tmp_path)
