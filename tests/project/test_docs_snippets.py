@@ -5,7 +5,8 @@ page top to bottom), each against the ``text`` block that follows it, if any: ``
 any text (as doctest's ELLIPSIS), trailing spaces are ignored. ``<!-- not run: why -->`` right before a
 block leaves it out (the reason names what runs it instead); ``<!-- needs: ... -->`` (the extras the
 README's blocks need in tests/project/test_newcomer.py's fresh environments) is ignored here, where
-every upstream package is installed. A block whose output is not shown must print nothing.
+every upstream package is installed. Every block that runs shows its output (a block that prints nothing
+would show the reader nothing to compare with).
 
 ``python tests/project/test_docs_snippets.py PAGE.md`` prints what each block of a page prints, to
 write its output blocks.
@@ -84,6 +85,10 @@ def matches(shown: str, printed: str) -> bool:
 RUN = [page for page in pages() if blocks(page)]
 
 
+def test_every_block_that_runs_shows_its_output():
+    assert not [(page.name, code[:60]) for page in RUN for code, shown in blocks(page) if shown is None]
+
+
 def test_the_pages_hold_blocks_to_run():
     names = {page.relative_to(ROOT).as_posix() for page in RUN}
     assert {"README.md", "docs/tutorials/audioldm-cross-attention.md", "docs/tutorials/f5-reward-lora.md",
@@ -102,10 +107,8 @@ def test_every_python_block_runs_and_prints_what_the_page_shows(page, tmp_path):
     result = run_page(page, tmp_path)
     for index, ((code, shown), printed) in enumerate(zip(blocks(page), result["printed"]), 1):
         where = f"{page.relative_to(ROOT)} block {index}:\n{code}"
-        if shown is None:
-            assert printed == "", f"{where}\nprints, but the page shows no output:\n{printed}"
-        else:
-            assert matches(shown, printed), f"{where}\nthe page shows:\n{shown}\nit printed:\n{printed}"
+        assert shown is not None, f"{where}\nshows no output: add a ```text block with what it prints:\n{printed}"
+        assert matches(shown, printed), f"{where}\nthe page shows:\n{shown}\nit printed:\n{printed}"
     assert result["error"] is None, f"{page.relative_to(ROOT)} block {len(result['printed'])} raised:\n" \
                                     f"{result['error']}"
 
