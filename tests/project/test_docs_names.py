@@ -152,3 +152,12 @@ def test_the_readmes_links_lead_to_files():
     links = re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", TEXT["README.md"])
     assert len(links) > 10
     assert not [link for link in links if "://" not in link and not (ROOT / link).exists()], links
+
+
+def test_the_changelog_names_this_version_and_the_build_reads_it_from_the_package():
+    import gradpatch
+
+    assert "## Unreleased" in TEXT["CHANGELOG.md"] and f"## {gradpatch.__version__} " in TEXT["CHANGELOG.md"]
+    pyproject = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
+    assert 'dynamic = ["version"]' in pyproject and 'path = "gradpatch/__init__.py"' in pyproject
+    assert "checkpoint_tradeoff" not in pyproject  # named a function that does not exist
