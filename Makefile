@@ -24,7 +24,7 @@ LOWER_TESTS := tests/checkpointing/test_checkpoint_fix.py tests/checkpointing/te
 SKIP_TORCH_LOWER ?=
 
 # The newest torch release gets a venv of its own too, for the tests that import without the upstream
-# codebases (torchaudio 2.11, the newest, refuses to import on torch 2.15: README, Torch versions).
+# codebases (torchaudio 2.11, the newest, refuses to import on torch 2.15: docs/install.md).
 # Skipping it takes a reason: `make test SKIP_TORCH_NEWEST="why"`, which is printed. Its install reads
 # no pip configuration (PIP_CONFIG_FILE=/dev/null): a machine-wide constraints file that caps torch for
 # other environments must not apply to the one venv whose point is another torch.
@@ -39,7 +39,7 @@ SKIP_TORCH_NEWEST ?=
 JUNIT_DIR ?=
 junit = $(if $(JUNIT_DIR),--junitxml=$(JUNIT_DIR)/$(1).xml)
 
-.PHONY: demo test lint test-torch-lower test-torch-newest newcomer bench clean
+.PHONY: demo test lint docs test-torch-lower test-torch-newest newcomer bench clean
 
 $(VENV)/.installed: pyproject.toml requirements/test.txt requirements/upstream.txt requirements/upstream-build.txt
 	$(PYTHON) -m venv $(VENV)
@@ -60,7 +60,12 @@ lint: $(VENV)/.installed
 	$(PY) -m ruff check --no-cache gradpatch patches tests benchmarks examples
 	$(PY) -m mypy
 
-test: $(VENV)/.installed lint
+# The documentation site (mkdocs.yml), built strictly: a broken link, an API name that does not resolve or
+# any other warning fails it. The docs' Python blocks run in tests/project/test_docs_snippets.py.
+docs: $(VENV)/.installed
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet --site-dir build/site
+
+test: $(VENV)/.installed lint docs
 	GRADPATCH_TEST_ENV=main $(PY) -m pytest -n 2 --durations=15 $(call junit,main)
 ifeq ($(strip $(SKIP_TORCH_LOWER)),)
 	$(MAKE) test-torch-lower
@@ -94,7 +99,7 @@ test-torch-newest: $(NEWEST_VENV)/.installed
 	PYTHONPATH=. GRADPATCH_TEST_ENV=torch-newest $(NEWEST_PY) -m pytest -p no:cacheprovider $(call junit,torch-newest) $(NEWEST_TESTS)
 
 # The wheel in fresh virtual environments, installed as the README's Install section says, and the
-# README's Python blocks run there (also part of `make test`).
+# Python blocks of the README and of the docs pages whose blocks stand alone run there (also part of `make test`).
 newcomer: $(VENV)/.installed
 	$(PY) -m pytest -n 2 tests/project/test_newcomer.py tests/project/test_cli.py
 

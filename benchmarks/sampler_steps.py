@@ -201,7 +201,7 @@ def main() -> int:
             if mode == "checkpoint_steps":
                 worst = max(worst, ratio / ideal)
     print(f"checkpoint_steps: worst {worst:.3f}x its ideal ({'within' if worst <= 1.1 else 'OVER'} the 1.1x target)")
-    return 0  # a measurement, not a check: load moves these figures (README, Measured)
+    return 0  # a measurement, not a check: load moves these figures (docs/benchmarks.md)
 
 
 if __name__ == "__main__":

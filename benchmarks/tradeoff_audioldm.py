@@ -1,4 +1,4 @@
-"""The trade-off curve of the tiny AudioLDM UNet (every block checkpointed), as the README shows it.
+"""The trade-off curve of the tiny AudioLDM UNet (every block checkpointed), as docs/how-to/memory.md shows it.
 
 Run:  PYTHONPATH=. HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/tradeoff_audioldm.py [PNG]
 or:   gradpatch tradeoff benchmarks.tradeoff_audioldm:make_step --plot docs/tradeoff_audioldm_tiny.png

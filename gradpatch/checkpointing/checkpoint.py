@@ -38,7 +38,7 @@ from outside (DDP, ZeRO-1/2), keeps the fast path.
 Trade-off: the fast path does upstream's work plus the forward's graph, which a forward must build
 for the block to see the grad mode and ``requires_grad`` flags its recompute sees; that graph is
 what it costs over upstream (on one CPU thread, 5.5% of a training step of a tiny AudioLDM UNet and
-3.7% of a medium one: README, Measured; ``benchmarks/checkpoint_speed.py``). It saves the same activations plus the 5 KB CPU RNG state, and
+3.7% of a medium one: docs/benchmarks.md; ``benchmarks/checkpoint_speed.py``). It saves the same activations plus the 5 KB CPU RNG state, and
 the forward holds one block's activations while it runs, as the recompute does in backward. Limits,
 as for upstream and torch's checkpoints: tensors leaving ``func`` other than by its return value
 carry no gradient; ``func`` must not modify its inputs in place; a redone call repeats side effects

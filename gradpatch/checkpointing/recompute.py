@@ -37,7 +37,7 @@ recompute does in backward, so peak memory is that of the backward; the node sav
 and the 5 KB CPU RNG state. Building that graph (a third to a half of the extra CPU time) and
 walking it (0.4 to 2.2 us a node) is what this costs over upstream, whose forward runs under
 ``no_grad``: 3.6% on the tiny AudioLDM UNet on one CPU thread, 6% to 7% on an H100, where launching
-kernels bounds the step (``benchmarks/checkpoint_speed.py``, ``checkpoint_cost.py``, the README). A
+kernels bounds the step (``benchmarks/checkpoint_speed.py``, ``checkpoint_cost.py``, docs/benchmarks.md). A
 forward without a graph would be cheaper, but the block would see another grad mode and other flags
 than in its recompute.
 """

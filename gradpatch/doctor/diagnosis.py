@@ -17,7 +17,7 @@ from gradpatch.patching import activation
 from gradpatch.patching.ledger import LEDGER
 from gradpatch.patching.fingerprint import Fingerprints
 
-_REMEDY = "run with GRADPATCH=1 (or call gradpatch.apply() before the model is built)"
+_REMEDY = "run with GRADPATCH=1 (or call gradpatch.apply() before the training step)"
 
 
 @dataclass(frozen=True)

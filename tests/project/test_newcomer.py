@@ -1,5 +1,7 @@
-"""A newcomer's first hour: the wheel in fresh virtual environments, the README's own commands and code,
-and the first things a user meets (warnings, the environment variables, trainable()).
+"""A newcomer's first hour: the wheel in fresh virtual environments, the README's own commands and the code
+of the README and of the docs pages whose blocks stand alone, and the first things a user meets (warnings,
+the environment variables, trainable()). (tests/project/test_docs_snippets.py runs every page's blocks
+in this test environment, against the output each shows.)
 
 The slow tests build the wheel and install it, with the README's two-step commands for ``[audioldm]``
 and ``[f5-tts]``, into fresh virtual environments. torch is not downloaded again: its files (and those
@@ -24,16 +26,22 @@ import pytest
 from support import ROOT, run_python
 
 README = (ROOT / "README.md").read_text(encoding="utf-8")
+ACTIVATE = (ROOT / "docs" / "how-to" / "activate.md").read_text(encoding="utf-8")
+#: The pages whose Python blocks each run on their own (the tutorials' blocks build on each other).
+STANDALONE = ["README.md", "docs/concepts/checkpoint.md", "docs/how-to/memory.md", "docs/how-to/training-stack.md",
+              "docs/how-to/differentiable-sampling.md", "docs/how-to/unknown-code.md", "docs/troubleshooting.md"]
 WIDTH = 100
 
 
 # --- the README, read as a newcomer reads it ----------------------------------------------------------
 
 def readme_python_blocks() -> list[tuple[set[str], str]]:
-    """``(needs, code)`` for every ```python block; ``<!-- needs: a, b -->`` right before a block names
-    the extras it needs (default: audioldm), ``<!-- not run: why -->`` leaves it out."""
+    """``(needs, code)`` for every ```python block of the README and the STANDALONE pages; ``<!-- needs: a,
+    b -->`` right before a block names the extras it needs (default: audioldm), ``<!-- not run: why -->``
+    leaves it out."""
     blocks = []
-    for comment, code in re.findall(r"(?:<!--(.*?)-->\n)?```python\n(.*?)```", README, re.S):
+    text = "\n".join((ROOT / page).read_text(encoding="utf-8") for page in STANDALONE)
+    for comment, code in re.findall(r"(?:<!--(.*?)-->\n)?```python\n(.*?)```", text, re.S):
         comment = comment.strip()
         if comment.startswith("not run"):
             continue
@@ -50,14 +58,14 @@ def readme_install(extra: str) -> list[str]:
 
 
 def test_the_readme_says_how_to_install_and_what_reaches_spawn_workers():
-    assert "## Install" in README and README.index("## Install") < README.index("## Use")
+    assert "## Install" in README and README.index("## Install") < README.index("## Turning it on")
     for extra in ("audioldm", "audioldm2", "f5-tts", "e2-tts", "diffusers"):
         assert f'pip install ".[{extra}]"' in README
     assert readme_install("audioldm") == ["audioldm==0.1.1", "torchaudio==2.11.0"]
     torch_floor = re.search(r'"torch>=([0-9.]+)"', (ROOT / "pyproject.toml").read_text()).group(1)
     assert "gradpatch.testing" in README and f"torch {torch_floor} or later" in README  # as declared
-    assert "**`apply()` in code patches only the process that calls it**" in README
-    assert "spawn" in README[README.index("**`apply()` in code"):][:400]
+    assert "**`apply()` in code patches only the process that runs it**" in ACTIVATE
+    assert "spawn" in ACTIVATE[ACTIVATE.index("**`apply()` in code"):][:400]
     declared = re.findall(r"^([a-z0-9-]+) = \[", (ROOT / "pyproject.toml").read_text(), re.M)
     assert set(declared) >= {"audioldm", "audioldm2", "f5-tts", "e2-tts", "diffusers"}
 

@@ -1,4 +1,4 @@
-"""The README's "With your training stack" recipes, run as written and compared with a reference.
+"""The training-stack recipes (docs/how-to/training-stack.md), run as written and compared with a reference.
 
 Each recipe runs in a fresh interpreter with ``GRADPATCH=1`` (the accelerate one also through
 ``accelerate launch``). A prologue records, at every optimizer step (a global step post-hook, so it
@@ -30,9 +30,7 @@ import torch
 
 from support import ROOT
 
-README = (ROOT / "README.md").read_text(encoding="utf-8")
-SECTION = README[README.index("## With your training stack"):]
-SECTION = SECTION[:SECTION.index("\n## ", 1)]
+SECTION = (ROOT / "docs" / "how-to" / "training-stack.md").read_text(encoding="utf-8")
 RECIPES = dict(re.findall(r"<!-- not run: tests/project/test_recipes.py runs it \(recipe ([a-z0-9-]+)\)[^>]*-->\n"
                           r"```python\n(.*?)```", SECTION, re.S))
 
@@ -70,7 +68,7 @@ torch.compile = lambda model=None, **kwargs: model if model is not None else (la
 def run(name: str, tmp_path: Path, reference: bool, launcher: list[str] = ()) -> list:
     script = tmp_path / f"{name}-{'reference' if reference else 'recipe'}.py"
     code = RECIPES[name.replace("lightning-1.9", "lightning")]
-    if name == "lightning-1.9":  # the README: "pytorch_lightning 1.9 the same way"
+    if name == "lightning-1.9":  # the page: "pytorch_lightning 1.9 the same way"
         code = code.replace("import lightning as L", "import pytorch_lightning as L").replace('"bf16-mixed"', '"bf16"')
     if name == "compile" and not os.environ.get("RECIPES_INDUCTOR"):
         assert "torch.compile(model)" in code
