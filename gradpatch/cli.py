@@ -140,12 +140,12 @@ def _list(args: argparse.Namespace) -> int:
     if not (args.codebase or args.all or args.wide):  # one line per codebase
         print(f"{count} for {len(groups)} codebases (one codebase: gradpatch list NAME; every patch: --all)")
         room = WIDTH - max(len(name) for name in groups) - 2 - len("patches") - 2
-        rows = [("codebase", "patches", "what they replace")]
-        rows += [(name, str(len(group)).rjust(7), _replaced(group, room)) for name, group in groups.items()]
-        print(format_table(rows))
+        summary: list[tuple[str, ...]] = [("codebase", "patches", "what they replace")]
+        summary += [(name, str(len(group)).rjust(7), _replaced(group, room)) for name, group in groups.items()]
+        print(format_table(summary))
         return 0
     print(count + (f" for {args.codebase}" if args.codebase else f" for {len(groups)} codebases"))
-    rows = [("patch", "upstream", "target", "fixes") if args.wide else ("patch", "fixes")]
+    rows: list[tuple[str, ...]] = [("patch", "upstream", "target", "fixes") if args.wide else ("patch", "fixes")]
     headings: dict[int, str] = {}
     for name, group in groups.items():
         headings[len(rows)] = f"{name}: {len(group)}"

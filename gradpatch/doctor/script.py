@@ -67,9 +67,10 @@ def run_script(path: str, argv: list[str]) -> None:
             print("gradpatch doctor:\n" + text, file=sys.stderr)
         elif error is None and not findings and not said[0]:  # the first healthy step says so, once
             found = models()
-            print(healthy_line(sum(p.requires_grad for m in found for p in m.parameters()), len(found)),
-                  file=sys.stderr)
-            said[0] = True
+            trainable = sum(p.requires_grad for m in found for p in m.parameters())
+            if trainable:  # a model it examined: else it has nothing to vouch for
+                print(healthy_line(trainable, len(found)), file=sys.stderr)
+                said[0] = True
         plan = checkpoint_plan_text(*roots)
         head = plan.partition("\n")[0]
         if plan and ": measuring" not in head and head not in seen:  # each finished plan once

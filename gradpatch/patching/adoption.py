@@ -89,7 +89,7 @@ def mismatch(adopted: Adopted, obj: object) -> str:
                 "target is a class (`gradpatch list` shows them)")
     shape = adopted.shape
     if shape is not None and not shape.matches(raw):  # type: ignore[attr-defined]
-        wanted = getattr(shape, "parameters", None) or getattr(shape, "forward", ())
+        wanted = tuple(getattr(shape, "parameters", None) or getattr(shape, "forward", None) or ())
         return (f"does not take the parameters {adopted.like}'s fix expects ({', '.join(wanted)}, ...); "
                 "adopt it like a patch for code of its signature")
     return ""

@@ -114,10 +114,10 @@ def test_upstream_audioldm_with_peft_lora_is_named_with_real_paths(tmp_path):
     assert "GRADPATCH=1" in result.stderr and "<root>" not in result.stderr
 
 
-def test_f5_sampled_with_cache_false_says_it_is_healthy_in_one_line(tmp_path):
+def test_f5_sampled_with_cache_false_is_silent(tmp_path):
     result = doctor(F5_STEP.format(options=", cache=False"), tmp_path, "1")
     assert result.returncode == 0, result.stderr
-    assert healthy_only(result.stderr), result.stderr
+    assert "gradpatch doctor" not in result.stderr  # no model called before the backward: nothing to vouch for
 
 
 def test_f5_sampled_with_the_default_cache_in_a_loss_is_named_with_the_fix(tmp_path):
@@ -159,7 +159,9 @@ def test_grad_doctor_counts_a_zero_gradient_as_reached_and_none_as_missing():
             torch.nn.functional.mse_loss(out, batch["target"]).backward()
         lora_a = [p for n, p in model.named_parameters() if "lora_A" in n]
         assert lora_a and all(not p.grad.any() for p in lora_a)  # zero by design: lora_B starts at zero
-        assert not diagnosis and stream.getvalue() == ""
+        assert not diagnosis and stream.getvalue().startswith("gradpatch doctor: every trainable parameter got a")
+        stream.truncate(0)
+        stream.seek(0)
         model.zero_grad(set_to_none=False)  # zero tensors, as optimizers left them before torch 2.0
         kept = next(n for n, p in model.named_parameters() if "lora_A" in n)
         with gradpatch.grad_doctor(model, file=stream) as diagnosis:  # the output detached by mistake
