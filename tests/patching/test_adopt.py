@@ -98,12 +98,12 @@ again = gradpatch.adopt("vendored.util:CheckpointFunction", like="audioldm.Check
 gradpatch.adopt("vendored.util:checkpoint", like="audioldm.checkpoint")
 after = grads(True)
 adopted = records()
-text = str(gradpatch.report())
+text = str(gradpatch.report()) + gradpatch.report().table("adopted")
 gradpatch.revert()
 restored = (util.checkpoint, util.CheckpointFunction) == originals and all(
     a is b for a, b in zip((util.checkpoint, util.CheckpointFunction), originals))
 print(json.dumps([warnings_seen, before, reference, [first.status.value, first == again], after, adopted,
-                  "adopted like audioldm.checkpoint" in text, restored, grads(True), records()]))
+                  "adopted: 2 applied" in text and "adopted like audioldm.checkpoint" in text, restored, grads(True), records()]))
 ''', pythonpath=[vendored]))
     warnings_seen, before, reference, (status, same), after, adopted, shown, restored, reverted, final = result
     (warning,) = warnings_seen
