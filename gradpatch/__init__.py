@@ -12,6 +12,7 @@ editing any upstream file::
     import audioldm                # patched the moment it is imported
     print(gradpatch.report())      # what was applied, deferred, skipped or failed, and why
     gradpatch.revert()             # everything back exactly as it was
+    gradpatch.adopt("myproject.util:checkpoint", like="audioldm.checkpoint")  # your own copy
 
 or, with no code change: ``GRADPATCH=1 python train.py`` (also reaches torchrun, accelerate and
 DataLoader workers), ``gradpatch run -- CMD``, or ``import gradpatch.auto``.
@@ -29,6 +30,7 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "apply": "gradpatch.patching.activation",
+    "adopt": "gradpatch.patching.activation",
     "revert": "gradpatch.patching.activation",
     "applied": "gradpatch.patching.activation",
     "report": "gradpatch.patching.activation",
@@ -60,7 +62,7 @@ __all__ = sorted(_EXPORTS)
 if TYPE_CHECKING:
     from types import FrameType
 
-    from gradpatch.patching.activation import applied, apply, known_patches, report, revert
+    from gradpatch.patching.activation import adopt, applied, apply, known_patches, report, revert
     from gradpatch.errors import (ConfigWarning, GradpatchError, GradpatchWarning,
                                   NotDifferentiableError, PatchFailedWarning, RevertWarning,
                                   StartupWarning, UnknownCodeWarning)

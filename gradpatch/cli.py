@@ -1,6 +1,8 @@
 """The ``gradpatch`` command (also ``python -m gradpatch``).
 
-``gradpatch list [--wide|--json]``    every known patch, its target and what it fixes
+``gradpatch list [CODEBASE] [--all|--wide|--json]``  the known patches: one line per codebase (how
+                                      many, what they replace); CODEBASE: that codebase's patches and
+                                      what each fixes; ``--all``: every patch, by codebase
 ``gradpatch status [--all|--wide|--json]``  whether gradpatch is active here (``GRADPATCH``, start-up
                                       file), then per upstream package installed here its version and
                                       whether its code matches a known fingerprint; ``--all``: every
@@ -9,10 +11,14 @@
 ``gradpatch run [OPTIONS] -- CMD``    run CMD with gradpatch active in it and every Python process it
                                       starts (sets ``GRADPATCH*`` and execs, like ``ddtrace-run``)
 ``gradpatch doctor SCRIPT [ARGS]``    run a training script and, after each backward, explain every
-                                      parameter that requires grad but got no gradient
+                                      parameter that requires grad but got no gradient (or say in one
+                                      line that every one got a gradient)
+``gradpatch tradeoff MODULE:FACTORY`` time and memory of the training step ``FACTORY()`` returns
+                                      under ``respect``, budgets in MiB and ``never``, with the spread
+                                      of the timings and the policy it recommends
 ``gradpatch --version``               this gradpatch's version and where it is imported from
 
-Tables fit 100 columns (``--wide``: one line per row, ``--json``: for tools).
+Output fits 100 columns and starts with counts (``--wide``: one line per row, ``--json``: for tools).
 """
 from __future__ import annotations
 
@@ -111,17 +117,61 @@ def _list(args: argparse.Namespace) -> int:
     from gradpatch.patching.activation import known_patches
 
     patches = list(known_patches().values())
+    codebases = list(dict.fromkeys(p.upstream for p in patches))
+    if args.codebase:
+        wanted = args.codebase.strip().lower().replace("-", "_")
+        patches = [p for p in patches if p.upstream.lower() == wanted]
+        if not patches:
+            import difflib
+
+            close = difflib.get_close_matches(wanted, codebases, n=1) or [c for c in codebases if c.startswith(wanted)]
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            print(f"gradpatch list: no codebase {args.codebase!r}; {hint}`gradpatch list` names them all",
+                  file=sys.stderr)
+            return 2
     if args.json:
         print(json.dumps([{"patch": p.name, "upstream": p.upstream, "target": p.target, "fixes": p.summary,
                            "requires": p.requires} for p in patches], indent=2))
         return 0
-    rows: Sequence[tuple[str, ...]]
-    if args.wide:
-        rows = [("patch", "upstream", "target", "fixes")] + [(p.name, p.upstream, p.target, p.summary) for p in patches]
-    else:
-        rows = [("patch", "fixes")] + [(p.name, p.summary) for p in patches]  # a name starts with its upstream
-    print(format_table(rows, wide=args.wide))
+    groups: dict[str, list[Patch]] = {}
+    for patch in patches:
+        groups.setdefault(patch.upstream, []).append(patch)
+    count = f"gradpatch: {len(patches)} patch{'es' if len(patches) != 1 else ''}"
+    if not (args.codebase or args.all or args.wide):  # one line per codebase
+        print(f"{count} for {len(groups)} codebases (one codebase: gradpatch list NAME; every patch: --all)")
+        room = WIDTH - max(len(name) for name in groups) - 2 - len("patches") - 2
+        summary: list[tuple[str, ...]] = [("codebase", "patches", "what they replace")]
+        summary += [(name, str(len(group)).rjust(7), _replaced(group, room)) for name, group in groups.items()]
+        print(format_table(summary))
+        return 0
+    print(count + (f" for {args.codebase}" if args.codebase else f" for {len(groups)} codebases"))
+    rows: list[tuple[str, ...]] = [("patch", "upstream", "target", "fixes") if args.wide else ("patch", "fixes")]
+    headings: dict[int, str] = {}
+    for name, group in groups.items():
+        headings[len(rows)] = f"{name}: {len(group)}"
+        rows += [(p.name, p.upstream, p.target, p.summary) if args.wide else (p.name, p.summary) for p in group]
+    if args.wide:  # one line per patch, for logs and grep
+        print(format_table(rows, wide=True))
+        return 0
+    print(headings.pop(1))
+    print(format_table(rows, headings=headings, indent=2))
     return 0
+
+
+def _replaced(group: Sequence[Patch], room: int) -> str:
+    """``checkpoint, CheckpointFunction, DDIMSampler.* (6), ... (+2)``: what a codebase's patches
+    replace (the methods of a class counted), cut to ``room`` columns."""
+    owners: dict[str, list[str]] = {}
+    for patch in group:
+        owner, dot, _ = patch.qualname.rpartition(".")
+        owners.setdefault(owner + ".*" if dot else patch.qualname, []).append(patch.qualname)
+    parts = [f"{name} ({len(names)})" if len(names) > 1 else names[0] for name, names in owners.items()]
+    for shown in range(len(parts), 0, -1):
+        more = f", ... (+{len(parts) - shown})" if shown < len(parts) else ""
+        text = ", ".join(parts[:shown]) + more
+        if len(text) <= room:
+            return text
+    return elide(parts[0], room)
 
 
 def _print_status(args: argparse.Namespace) -> int:
@@ -241,6 +291,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         shape.add_argument("--wide", action="store_true", help="one line per row, however long")
         shape.add_argument("--json", action="store_true", help="machine-readable output")
     status.add_argument("--all", action="store_true", help="every patch, one row each")
+    listing.add_argument("codebase", nargs="?", metavar="CODEBASE", help="only this codebase's patches (audioldm)")
+    listing.add_argument("--all", action="store_true", help="every patch, grouped by codebase")
     listing.set_defaults(handler=_list)
     status.set_defaults(handler=_print_status)
     run = commands.add_parser("run", help="run a command with gradpatch active in every Python process")

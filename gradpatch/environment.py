@@ -10,6 +10,8 @@
 ``GRADPATCH_LOG``        a :mod:`logging` level name or number for the ``gradpatch`` logger.
 ``GRADPATCH_SCAN``       ``0`` (or another off value): do not look for copies of known-broken code at
                          undeclared paths (:mod:`gradpatch.patching.scan`); on by default.
+``GRADPATCH_ADOPT``      ``module:Qual.name=patch`` (comma-separated): patch code gradpatch does not
+                         recognise with a catalogued patch's fix (:mod:`gradpatch.patching.adoption`).
 
 :func:`read` never warns and never raises: a bad value is ignored and described in
 ``Environment.problems``, which the caller reports once it knows whether it is strict (so

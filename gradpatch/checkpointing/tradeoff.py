@@ -5,8 +5,11 @@
 ``never``, and reports per policy the step's peak memory beyond its start (CPU: the profiler's
 allocation events, a measure independent of the planner; CUDA: ``torch.cuda.max_memory_allocated``),
 that peak beyond ``respect``'s, the seconds per step (the median of ``repeats`` timed steps after the
-planning steps; wall time, after a CUDA synchronisation where CUDA is in use), and the ratio to
-``respect``'s time. ``gradpatch tradeoff MODULE:FACTORY`` does the same from the command line.
+planning steps; wall time, after a CUDA synchronisation where CUDA is in use) with the spread of
+those steps (their range over the median), and the ratio to ``respect``'s time; then a warning when
+the spread is too wide to rank the policies, and the policy it recommends: the lowest peak among
+those within 10% of the fastest step. ``gradpatch tradeoff MODULE:FACTORY`` does the same from the
+command line.
 
 Cost: about ``(2 + len(fractions)) * (planning + repeats + 1)`` steps; the budget plans are measured
 afresh (:func:`gradpatch.checkpointing.budget.reset`). The step must be repeatable: it is called
@@ -33,17 +36,65 @@ class Point(NamedTuple):
     extra_bytes: int  # peak_bytes beyond respect's
     seconds: float  # per step, median
     ratio: float  # seconds / respect's seconds
+    times: tuple[float, ...] = ()  # every timed step, in seconds
+
+    @property
+    def spread(self) -> float:
+        """The timings' range over their median (0.1: the slowest step took 10% of the median more
+        than the fastest); 0 with fewer than two timings."""
+        return (max(self.times) - min(self.times)) / self.seconds if len(self.times) > 1 and self.seconds else 0.0
+
+
+#: Steps within this fraction of the fastest policy's time count as fast as it.
+TOLERANCE = 0.10
 
 
 class Tradeoff(tuple):  # type: ignore[type-arg]
-    """A tuple of :class:`Point` (``respect``, the budgets, ``never``) that prints as a table."""
+    """A tuple of :class:`Point` (``respect``, the budgets, ``never``) that prints as a table, the
+    spread of its timings (with a warning when they are too noisy to rank) and a recommended policy."""
 
     def __str__(self) -> str:
-        rows = [f"{'policy':24} {'peak':>11} {'beyond respect':>15} {'s/step':>9} {'/respect':>9}"]
+        rows = [f"{'policy':22} {'peak':>11} {'beyond respect':>15} {'s/step':>9} {'spread':>7} {'/respect':>9}"]
         for p in self:
-            rows.append(f"{p.policy:24} {_mib(p.peak_bytes):>11} {_mib(p.extra_bytes):>15} "
-                        f"{p.seconds:9.4f} {p.ratio:9.3f}")
+            rows.append(f"{p.policy:22} {_mib(p.peak_bytes):>11} {_mib(p.extra_bytes):>15} "
+                        f"{p.seconds:9.4f} {_percent(p.spread):>7} {p.ratio:9.3f}")
+        import textwrap
+
+        warning = self.noise()
+        for line in ([f"warning: {warning}"] if warning else []) + [self.recommendation()]:
+            rows += textwrap.wrap(line, 100, subsequent_indent="  ", break_on_hyphens=False)
         return "\n".join(rows)
+
+    def noise(self) -> str:
+        """Why the timings are too noisy to rank the policies, or ``""``: some policy's timings spread
+        wider than the differences between the policies' medians (or wider than 25%)."""
+        if len(self) < 2:
+            return ""
+        medians = sorted(p.seconds for p in self)
+        gap = (medians[-1] - medians[0]) / medians[0] if medians[0] else 0.0
+        widest = max(self, key=lambda p: p.spread)
+        if widest.spread > max(gap, TOLERANCE) or widest.spread > 0.25:
+            return (f"timings too noisy to rank: {widest.policy}'s spread {_percent(widest.spread)} exceeds the "
+                    f"{_percent(gap)} between the fastest and slowest policy; rerun with more --repeats on an "
+                    "idle machine")
+        return ""
+
+    def recommendation(self) -> str:
+        """The policy with the lowest peak among those within :data:`TOLERANCE` of the fastest time
+        (by memory alone when the timings are too noisy to rank), and why."""
+        if not self:
+            return "recommended: respect (nothing was measured)"
+        fastest = min(p.seconds for p in self)
+        if self.noise():
+            pick = min(self, key=lambda p: p.peak_bytes)
+            return f"recommended: {pick.policy} (the lowest peak; the timings cannot rank the policies)"
+        near = [p for p in self if p.seconds <= fastest * (1 + TOLERANCE)]
+        pick = min(near, key=lambda p: (p.peak_bytes, p.seconds))
+        quickest = min(self, key=lambda p: p.seconds)
+        if pick is quickest:
+            return f"recommended: {pick.policy} (the fastest step, {_mib(pick.peak_bytes)} peak)"
+        return (f"recommended: {pick.policy} (within {_percent(TOLERANCE)} of the fastest step, "
+                f"{quickest.policy}, at {_mib(quickest.peak_bytes - pick.peak_bytes)} less peak)")
 
     __repr__ = __str__
 
@@ -60,8 +111,7 @@ class Tradeoff(tuple):  # type: ignore[type-arg]
         xs, ys = [p.extra_bytes / 2**20 for p in self], [p.ratio for p in self]
         ax.plot(xs, ys, "o-", color="tab:blue")
         for p, x, y in zip(self, xs, ys):
-            label = (f"budget {int(p.policy[7:]) / 2**20:.1f} MiB" if p.policy.startswith("budget:")
-                     else p.policy)
+            label = p.policy
             ax.annotate(label, (x, y), textcoords="offset points",
                         xytext=(4, 4), fontsize=8)
         ax.set_xlabel("peak memory beyond respect (MiB)")
@@ -74,17 +124,21 @@ class Tradeoff(tuple):  # type: ignore[type-arg]
 
 
 def tradeoff(step: Callable[[], object], fractions: Sequence[float] = (0.25, 0.5, 0.75),
-             repeats: int = 5, device: str | None = None, progress: bool = True) -> Tradeoff:
+             repeats: int = 5, device: str | None = None, progress: bool = True,
+             timer: Callable[[Callable[[], object], bool], float] | None = None) -> Tradeoff:
     """Measure ``step`` under ``respect``, ``budget:<f * gap>`` for each fraction ``f`` of the peak
     memory gap between ``respect`` and ``never``, and ``never``. ``device``: ``"cuda"`` to measure
     CUDA memory and synchronise (default: CUDA if it is initialised, CPU otherwise). A progress line
-    goes to stderr unless ``progress=False``. The policy in force before is restored."""
+    goes to stderr unless ``progress=False``. The policy in force before is restored. Budgets are named
+    in MiB (``budget:1.30MiB``, a policy ``GRADPATCH_CHECKPOINT`` takes as it is). ``timer(step, cuda)``
+    runs one step and returns its seconds (default: wall time, synchronised on CUDA)."""
     cuda = (device or ("cuda" if torch.cuda.is_available() and torch.cuda.is_initialized()
                        else "cpu")) == "cuda"
     plan_steps = budget.TIMING_CALLS + 1
     total = (2 + len(fractions)) * (plan_steps + repeats + 1)
     bar = _Bar(total, progress)
-    measured: dict[str, tuple[int, float]] = {}
+    measured: dict[str, tuple[int, float, tuple[float, ...]]] = {}
+    timer = timer or _timed
 
     def measure(policy: str) -> None:
         with settings.checkpoint_policy_scope(policy):
@@ -95,9 +149,9 @@ def tradeoff(step: Callable[[], object], fractions: Sequence[float] = (0.25, 0.5
             bar.tick(policy)
             times = []
             for _ in range(repeats):
-                times.append(_timed(step, cuda))
+                times.append(timer(step, cuda))
                 bar.tick(policy)
-        measured[policy] = (peak, statistics.median(times))
+        measured[policy] = (peak, statistics.median(times), tuple(times))
 
     try:
         measure("respect")
@@ -105,14 +159,14 @@ def tradeoff(step: Callable[[], object], fractions: Sequence[float] = (0.25, 0.5
         gap = max(measured["never"][0] - measured["respect"][0], 0)
         for f in fractions:
             budget.reset()
-            measure(f"budget:{int(f * gap)}")
+            measure(budget_policy(int(f * gap)))
     finally:
         bar.close()
         budget.reset()
     order = ["respect", *[p for p in measured if p.startswith("budget:")], "never"]
-    base_peak, base_time = measured["respect"]
+    base_peak, base_time, _ = measured["respect"]
     return Tradeoff(Point(p, measured[p][0], measured[p][0] - base_peak, measured[p][1],
-                          measured[p][1] / base_time) for p in order)
+                          measured[p][1] / base_time, measured[p][2]) for p in order)
 
 
 def _peak(step: Callable[[], object], cuda: bool) -> int:
@@ -166,3 +220,16 @@ class _Bar:
 
 def _mib(size: int) -> str:
     return f"{size / 2**20:.2f} MiB"
+
+
+def _percent(fraction: float) -> str:
+    return f"{100 * fraction:.0f}%"
+
+
+def budget_policy(size: int) -> str:
+    """``budget:<size>`` named in MiB to three significant digits (``budget:1.30MiB``), in bytes
+    below a kibibyte."""
+    mib = size / 2**20
+    if size < 1024:
+        return f"budget:{size}"
+    return f"budget:{mib:.0f}MiB" if mib >= 100 else f"budget:{mib:.3g}MiB" if mib < 1 else f"budget:{mib:.2f}MiB"

@@ -20,32 +20,60 @@ from gradpatch.patching.fingerprint import Fingerprints
 _REMEDY = "run with GRADPATCH=1 (or call gradpatch.apply() before the training step)"
 
 
+#: What a diagnosis with no finding says: the one line of a healthy step.
+HEALTHY = "gradpatch doctor: every trainable parameter got a gradient"
+WIDTH = 100
+
+
+def _wrap(text: str, first: str, rest: str) -> str:
+    """``text`` after ``first``, wrapped at :data:`WIDTH` under ``rest`` (a path is never split)."""
+    import textwrap
+
+    lines = textwrap.wrap(text, WIDTH, initial_indent=first, subsequent_indent=rest, break_long_words=False,
+                          break_on_hyphens=False)
+    if lines and len(lines[0]) > WIDTH:  # its first word does not fit beside the label: below it
+        lines = [first.rstrip()] + textwrap.wrap(text, WIDTH, initial_indent=rest, subsequent_indent=rest,
+                                                 break_long_words=False, break_on_hyphens=False)
+    return "\n".join(lines) or first.rstrip()
+
+
 @dataclass(frozen=True)
 class Finding:
-    """A group of parameters under one module that share a cause."""
+    """A group of parameters under one module that share a cause. ``frozen``: the parameters do not
+    require grad (those a broken checkpoint's backward raised on), and are labelled so."""
 
     module: str
     parameters: tuple[str, ...]
     cause: str
     remedy: str
+    frozen: bool = False
 
     def __str__(self) -> str:
         names = ", ".join(self.parameters[:4]) + (f" and {len(self.parameters) - 4} more" if len(self.parameters) > 4 else "")
-        head = f"- {self.module or '<root>'}" + (f": {names}" if names else "")
-        return f"{head}\n    cause: {self.cause}\n    fix:   {self.remedy}"
+        if names and self.frozen:
+            names += " (frozen)"
+        head = _wrap(names, f"- {self.module or '<root>'}: ", "    ") if names else f"- {self.module or '<root>'}"
+        return f"{head}\n{_wrap(self.cause, '    cause: ', ' ' * 11)}\n{_wrap(self.remedy, '    fix:   ', ' ' * 11)}"
 
 
 @dataclass
 class Diagnosis:
     findings: list[Finding] = field(default_factory=list)
+    trainable: int = 0  # parameters that require grad, over the models diagnosed
 
     def __bool__(self) -> bool:
         return bool(self.findings)
 
     def __str__(self) -> str:
         if not self.findings:
-            return "gradpatch doctor: every parameter that requires grad got a gradient"
+            return healthy_line(self.trainable)
         return "gradpatch doctor:\n" + "\n".join(map(str, self.findings))
+
+
+def healthy_line(trainable: int, models: int = 1) -> str:
+    """The one line of a step after which every parameter that requires grad got a gradient."""
+    what = f"{trainable} tensor{'s' if trainable != 1 else ''}" + (f" in {models} models" if models > 1 else "")
+    return f"{HEALTHY} ({what})" if trainable else f"{HEALTHY.partition(':')[0]}: no parameter requires grad"
 
 
 def _remedy(module_name: str) -> str:
@@ -196,7 +224,7 @@ def explain_grads(model: torch.nn.Module, error: BaseException | None = None,
     reentrant checkpoints and ``cache=True`` sampler calls ran; without it only ``grad is None`` counts
     as not reached and checkpoints are recognised from the blocks' code.
     """
-    diagnosis = Diagnosis()
+    diagnosis = Diagnosis(trainable=sum(p.requires_grad for p in model.parameters()))
     paths = {module: path for path, module in model.named_modules()}
     missing = watch.missing if watch is not None else _missing
     if error is not None:
@@ -205,7 +233,8 @@ def explain_grads(model: torch.nn.Module, error: BaseException | None = None,
                 frozen = tuple(f"{paths[block]}.{n}".lstrip(".") for n, p in block.named_parameters() if not p.requires_grad)
                 cause, remedy = _broken_checkpoint(type(block)) or ("its upstream CheckpointFunction raised in "
                                                                     "backward", _REMEDY)
-                diagnosis.findings.append(Finding(f"{paths[block]} ({type(block).__name__})", frozen, cause, remedy))
+                diagnosis.findings.append(Finding(f"{paths[block]} ({type(block).__name__})", frozen, cause, remedy,
+                                                  frozen=True))
         if not diagnosis.findings and _NO_GRAPH in str(error):
             diagnosis.findings += _sampler_findings(model, watch, ())
             diagnosis.findings += _reentrant_findings(model, watch, lambda p: p.requires_grad, set())
@@ -255,7 +284,8 @@ def checkpoint_plan_text(*models: torch.nn.Module) -> str:
 
 @contextlib.contextmanager
 def grad_doctor(*models: torch.nn.Module, file=None) -> Iterator[Diagnosis]:
-    """Wrap one training step (forward and backward); print the diagnosis of ``models`` after it.
+    """Wrap one training step (forward and backward); print the diagnosis of ``models`` after it, or
+    one line saying that every parameter that requires grad got a gradient.
 
     If the step raises, the diagnosis is printed and attached to the exception as a note, and the
     exception propagates. The yielded :class:`Diagnosis` is filled in when the block ends.
@@ -275,9 +305,10 @@ def grad_doctor(*models: torch.nn.Module, file=None) -> Iterator[Diagnosis]:
                     error.add_note(str(diagnosis))
             raise
         for model in models:
-            diagnosis.findings += explain_grads(model, None, watch).findings
-    if diagnosis:
-        print(diagnosis, file=stream)
+            found = explain_grads(model, None, watch)
+            diagnosis.findings += found.findings
+            diagnosis.trainable += found.trainable
+    print(diagnosis if diagnosis else healthy_line(diagnosis.trainable, len(models)), file=stream)
     plan = checkpoint_plan_text(*models)
     if plan:
         print(f"gradpatch doctor: {plan}", file=stream)

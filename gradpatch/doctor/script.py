@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from gradpatch.doctor.watch import watching
-from gradpatch.doctor.diagnosis import checkpoint_plan_text, explain_grads
+from gradpatch.doctor.diagnosis import checkpoint_plan_text, explain_grads, healthy_line
 
 
 def run_script(path: str, argv: list[str]) -> None:
@@ -23,7 +23,8 @@ def run_script(path: str, argv: list[str]) -> None:
     The script runs as ``python path ARGS`` would run it: as ``__main__``, with ``sys.argv`` set and its
     folder first on ``sys.path`` (so it imports its sibling modules). A missing file exits with status 2
     and a message. The models are found as the outermost modules called before a backward; findings
-    are printed once.
+    are printed once, and so is one line the first time a backward leaves no such parameter without a
+    gradient.
     """
     if not os.path.isfile(path):
         print(f"gradpatch doctor: cannot run {path!r}: no such file", file=sys.stderr)
@@ -33,6 +34,7 @@ def run_script(path: str, argv: list[str]) -> None:
     depth = [0]
     seen: set[str] = set()
     in_backward = [0]
+    said = [False]  # whether the healthy line was printed
 
     def before(module: torch.nn.Module, _args: object) -> None:
         # Blocks recomputed during backward (checkpoints) are not models: they run at depth 0 there.
@@ -57,12 +59,18 @@ def run_script(path: str, argv: list[str]) -> None:
         return new
 
     def report(error: BaseException | None = None) -> str:
-        text = "\n".join(str(f) for model in models() for f in explain_grads(model, error, watch).findings
-                         if fresh(str(f)))
+        findings = [str(f) for model in models() for f in explain_grads(model, error, watch).findings]
+        text = "\n".join(f for f in findings if fresh(f))
         # A failing backward carries the diagnosis as a note, which its traceback prints: printing it
         # here too would show it twice.
         if text and (error is None or not hasattr(error, "add_note")):
             print("gradpatch doctor:\n" + text, file=sys.stderr)
+        elif error is None and not findings and not said[0]:  # the first healthy step says so, once
+            found = models()
+            trainable = sum(p.requires_grad for m in found for p in m.parameters())
+            if trainable:  # a model it examined: else it has nothing to vouch for
+                print(healthy_line(trainable, len(found)), file=sys.stderr)
+                said[0] = True
         plan = checkpoint_plan_text(*roots)
         head = plan.partition("\n")[0]
         if plan and ": measuring" not in head and head not in seen:  # each finished plan once

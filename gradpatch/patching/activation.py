@@ -26,7 +26,7 @@ from gradpatch import environment, settings
 from gradpatch.errors import ConfigWarning, PatchFailedWarning, complain
 from gradpatch.patching import watcher
 from gradpatch.patching import scan as scanning
-from gradpatch.patching import scripts
+from gradpatch.patching import adoption, scripts
 from gradpatch.patching.ledger import LEDGER, known_patches, select
 from gradpatch.patching.patch import Patch, Record, Report, Status
 
@@ -200,7 +200,11 @@ def _apply(names: tuple, exclude: object, env: environment.Environment, scan: bo
         for patch in again:
             _start(patch)
         found = _sweep() if scan_on and selected else []
-        return Report(LEDGER.records(p.name for p in selected + excluded + again) + found)
+        adopted, problems = adoption.from_environment(known_patches(), scanning.families())
+        for problem in problems:
+            complain(ConfigWarning, problem, once=True)
+        records = [request(patch) for patch in adopted]
+        return Report(LEDGER.records(p.name for p in selected + excluded + again) + found + records)
 
 
 def request(patch: Patch) -> Record:
@@ -216,6 +220,31 @@ def request(patch: Patch) -> Record:
         if not LEDGER.is_wanted(patch.name):
             watcher.start(_body_ran)
             _start(patch)
+        return LEDGER.record_of(patch.name)  # type: ignore[return-value]
+
+
+def adopt(target: str, like: str) -> Record:
+    """Patch ``target`` (``"module:Qual.name"``), a copy gradpatch does not recognise, with the fix
+    of the catalogued patch ``like`` (``"audioldm.checkpoint"``; ``gradpatch list`` names them): the
+    one line an :class:`~gradpatch.UnknownCodeWarning` prints. An imported module is patched at once,
+    one imported later when its body runs; ``revert()`` (or ``revert(target)``) puts the original back.
+    Adopting the same target again changes nothing; with another ``like``, the new fix replaces the
+    old. Raises :class:`ValueError` for a malformed target, an unknown ``like``, an imported module
+    without that attribute, or an object of another kind than ``like`` fixes (a function for a class).
+    ``GRADPATCH_ADOPT="module:Qual.name=patch,..."`` does the same at every ``apply()``. Returns the
+    target's record (``status`` ``"applied"``, or ``"deferred"`` until the module is imported). See
+    :mod:`gradpatch.patching.adoption`."""
+    patch = adoption.build(target, like, known_patches(), scanning.families())
+    with LEDGER.locked():
+        if LEDGER.is_wanted(patch.name):
+            if known_patches().get(patch.name) == patch:
+                return LEDGER.record_of(patch.name)  # type: ignore[return-value]
+            revert(patch.name)  # adopted like another patch before: the original is checked
+        adoption.check_now(patch, sys.modules)
+        record = request(patch)
+        if record.status == Status.FAILED:
+            revert(patch.name)
+            raise adoption.AdoptionError(f"gradpatch.adopt: {record.reason}")
         return LEDGER.record_of(patch.name)  # type: ignore[return-value]
 
 

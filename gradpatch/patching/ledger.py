@@ -19,7 +19,7 @@ from types import ModuleType
 from typing import Iterable
 
 from gradpatch.errors import PatchFailedWarning, UnknownCodeWarning, complain, logger
-from gradpatch.patching import selection, watcher
+from gradpatch.patching import adoption, selection, watcher
 from gradpatch.patching.catalogue import Catalogue
 from gradpatch.patching.hooks import MISSING, Installed, forget, install, locate, resolve, uninstall
 from gradpatch.patching.patch import Patch, Record, Status
@@ -186,6 +186,10 @@ class Ledger:
             if ours is not None:  # e.g. sgm's attention rebound a checkpoint gradpatch already fixed
                 self.record(patch, Status.SKIPPED, f"already gradpatch's fix (from {ours})", version=version)
                 return
+            instead = self.adopted_instead(patch)
+            if instead is not None:  # the user adopted this target: their choice stands
+                self.record(patch, Status.SKIPPED, f"adopted instead ({instead})", version=version)
+                return
             identity = patch.recognise.identify(module, patch.qualname, original)
             if identity.verdict == "fixed":
                 self.record(patch, Status.SKIPPED, f"fixed upstream ({identity.label})", variant=identity.label,
@@ -213,6 +217,8 @@ class Ledger:
         self._installed[patch.name] = installed
         self.record(patch, Status.APPLIED, patch.summary, variant=identity.label, version=version,
                     rebound=installed.rebound_names())
+        if patch.upstream == adoption.ADOPTED:
+            self.note_adopted(patch)
         logger.info("applied %s to %s (%s)", patch.name, patch.target, identity.label)
 
     def _left_alone(self, patch: Patch, unknown: str | None, unreadable: str | None) -> None:
@@ -223,9 +229,10 @@ class Ledger:
         if any(n != patch.name and n in records and records[n].reason.startswith(said) for n in names):
             return
         if unknown is not None and _is_fingerprint(unknown):
+            left = [self.known()[n] for n in names]
             complain(UnknownCodeWarning, f"gradpatch: {patch.module} does not match any known version "
                      f"(fingerprint {unknown}), so gradpatch left it alone ({', '.join(names)}). "
-                     "If it is a copy of the known-broken code, add this fingerprint to the catalogue.")
+                     + adoption.advice(left, self.known(), self._adopted) + ".")
         elif unknown is not None:  # no fingerprint to add: say what was found instead
             wrapped = "not the module's own definition" in unknown
             complain(UnknownCodeWarning, f"gradpatch: {patch.module} was left alone ({', '.join(names)}): "
@@ -236,6 +243,22 @@ class Ledger:
         else:
             complain(UnknownCodeWarning, f"gradpatch: cannot recognise {patch.module}, so gradpatch left "
                      f"it alone ({', '.join(names)}): {unreadable}.")
+
+    def adopted_instead(self, patch: Patch) -> str | None:
+        """The wanted adopted patch on ``patch``'s target, if ``patch`` is not that one. Lock held."""
+        if patch.upstream == adoption.ADOPTED:
+            return None
+        return next((p.name for p in self.targets().get(patch.module, ()) if p.upstream == adoption.ADOPTED
+                     and p.target == patch.target and p.name in self._wanted), None)
+
+    def note_adopted(self, patch: Patch) -> None:
+        """The other wanted patches on adopted ``patch``'s target that left it alone say so. Lock held."""
+        for other in self.targets().get(patch.module, ()):
+            record = self._records.get(other.name)
+            if other.name != patch.name and other.target == patch.target and record is not None \
+                    and record.status == Status.SKIPPED and other.name in self._wanted:
+                self.record(other, Status.SKIPPED, f"adopted instead ({patch.name}); was: {record.reason}",
+                            variant=record.variant, version=record.version)
 
     def unseen(self, patch: Patch) -> str | None:
         """Why a wanted patch is not in place although its module's body has run, unseen (a loader

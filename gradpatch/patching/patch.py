@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 import sys
-from typing import NamedTuple, Sequence
+from typing import Mapping, NamedTuple, Sequence
 
 from gradpatch import settings
 
@@ -95,38 +95,50 @@ def elide(text: str, width: int) -> str:
     return text if len(text) <= width else "..." + text[len(text) - width + 3:]
 
 
-def format_table(rows: Sequence[tuple[str, ...]], *, wide: bool = False, width: int = WIDTH) -> str:
+def format_table(rows: Sequence[tuple[str, ...]], *, wide: bool = False, width: int = WIDTH,
+                 headings: Mapping[int, str] | None = None, indent: int = 0) -> str:
     """``rows`` (the first one the header) as aligned columns, every line at most ``width`` wide.
 
     The last column is the free text: it wraps under itself, or, when the other columns leave it too
     little room, goes on indented lines of its own below its row; a fixed column too wide to fit is
     cut at its start. ``wide=True`` puts every row on one line, however long (for logs and grep).
+    ``headings`` maps a row's index to a line printed above it, flush left (a group's title), and
+    ``indent`` shifts the table's own lines right under those titles.
     """
     import textwrap
 
+    headings = headings or {}
+    pad = " " * indent
     fixed = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
     if wide:
-        return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, fixed)) + "  " + row[-1] for row in rows).rstrip()
+        lines = []
+        for i, row in enumerate(rows):
+            lines += [headings[i]] if i in headings else []
+            lines.append((pad + "  ".join(c.ljust(w) for c, w in zip(row, fixed)) + "  " + row[-1]).rstrip())
+        return "\n".join(lines)
+    width -= indent
     while sum(fixed) + 2 * len(fixed) > width:  # a fixed column too wide: cut the widest
         widest = fixed.index(max(fixed))
         fixed[widest] -= sum(fixed) + 2 * len(fixed) - width
         fixed[widest] = max(fixed[widest], 12)
-    indent = sum(fixed) + 2 * len(fixed)
-    below = width - indent < 32  # too little room beside: the free text goes under its row
-    free = width - 4 if below else width - indent
+    beside = sum(fixed) + 2 * len(fixed)
+    below = width - beside < 32  # too little room beside: the free text goes under its row
+    free = width - 4 if below else width - beside
     lines = []
-    for row in rows:
+    for i, row in enumerate(rows):
+        if i in headings:
+            lines.append(headings[i])
         cells = "  ".join(elide(c, w).ljust(w) for c, w in zip(row, fixed))
         text = textwrap.wrap(row[-1], free, break_on_hyphens=False) or [""]
-        if below and row is rows[0]:  # the header names the indented line's column too, if it fits
+        if below and i == 0:  # the header names the indented line's column too, if it fits
             heading = cells.rstrip() + "  " + row[-1]
-            lines += [heading] if len(heading) <= width else [cells.rstrip(), "    " + row[-1]]
+            lines += [pad + heading] if len(heading) <= width else [pad + cells.rstrip(), pad + "    " + row[-1]]
         elif below:
-            lines.append(cells.rstrip())
-            lines += ["    " + part for part in text if part]
+            lines.append(pad + cells.rstrip())
+            lines += [pad + "    " + part for part in text if part]
         else:
-            lines.append((cells + "  " + text[0]).rstrip())
-            lines += [" " * indent + part for part in text[1:]]
+            lines.append(pad + (cells + "  " + text[0]).rstrip())
+            lines += [pad + " " * beside + part for part in text[1:]]
     return "\n".join(lines)
 
 
@@ -152,36 +164,92 @@ def report_line() -> str:
     return planner.checkpoint_plan().summary()
 
 
+#: A report of at most this many records (not counting those of packages not installed) prints every one.
+SHORT = 8
+#: The order counts are given in.
+_ORDER = (Status.APPLIED, Status.DEFERRED, Status.SKIPPED, Status.FAILED, Status.REVERTED)
+
+
+def counts(records: Sequence[Record]) -> str:
+    """``"22 applied, 3 deferred"``: how many records have each status, in a fixed order."""
+    found = [sum(r.status == status for r in records) for status in _ORDER]
+    return ", ".join(f"{n} {status}" for n, status in zip(found, _ORDER) if n)
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 'es' if word.endswith('ch') else 's'}"
+
+
+def _normalise(name: str) -> str:
+    return name.strip().lower().replace("-", "_")
+
+
 class Report(tuple):  # type: ignore[type-arg]
-    """A tuple of :class:`Record` that prints as a table (:meth:`table`)."""
+    """A tuple of :class:`Record` that prints its counts first, then by codebase (:meth:`table`)."""
 
     def __str__(self) -> str:
         return self.table()
 
-    def table(self, *, all: bool = False, wide: bool = False) -> str:
-        """The records as a table that fits 100 columns (``wide=True``: one line per record), and,
-        under the ``budget:<size>`` checkpoint policy, a line summing up its plan.
-
-        Deferred records whose target package is not installed here are left out unless
-        ``all=True``: they only say that gradpatch is ready for a package this environment lacks.
+    def table(self, codebase: str | None = None, *, all: bool = False, wide: bool = False) -> str:
+        """The records, at most 100 columns wide (``wide=True``: one line per record): a line of counts,
+        then by codebase (the ``upstream`` that selects them). A codebase where something happened
+        (applied, skipped, failed, reverted) shows its records; one whose patches all wait for their
+        module to be imported takes one mention on a shared line; deferred records whose package is
+        not installed here are counted at the end. ``codebase="audioldm"``: that codebase's records
+        only, every one; ``all=True``: every record. Under the ``budget:<size>`` checkpoint policy, a
+        last line sums up its plan.
         """
-        return "\n".join(filter(None, [self._records_table(all, wide), report_line()]))
+        return "\n".join(filter(None, [self._records_table(codebase, all, wide), report_line()]))
 
-    def _records_table(self, all: bool, wide: bool) -> str:
+    def _records_table(self, codebase: str | None, all: bool, wide: bool) -> str:
+        import textwrap
+
         if not self:
             return "gradpatch: no patches selected"
-        shown = [r for r in self if all or r.status != Status.DEFERRED or _importable(r.target)]
-        rows = [("patch", "status", "target", "reason")]
-        for record in shown:
-            reason = record.reason
-            if record.rebound:
-                reason += f" (rebound {', '.join(record.rebound)})"
-            rows.append((record.patch, str(record.status), record.target, reason))
-        hidden = len(self) - len(shown)
+        records: Sequence[Record] = self
+        if codebase is not None:
+            records = [r for r in self if _normalise(r.upstream) == _normalise(codebase)]
+            if not records:
+                names = ", ".join(dict.fromkeys(r.upstream for r in self))
+                return "\n".join(textwrap.wrap(f"gradpatch: no record of codebase {codebase!r} here (codebases: "
+                                               f"{names})", WIDTH, subsequent_indent="  ", break_on_hyphens=False))
+            all = True
+        shown = [r for r in records if all or r.status != Status.DEFERRED or _importable(r.target)]
+        hidden = len(records) - len(shown)
         waiting = f"{hidden} deferred for packages not installed here (report().table(all=True) lists them)"
         if not shown:
             return f"gradpatch: {waiting}"
-        return format_table(rows, wide=wide) + (f"\n(and {waiting})" if hidden else "")
+        lines = [f"gradpatch: {_plural(len(records), 'patch')}: {counts(records)}"]
+        groups: dict[str, list[Record]] = {}
+        for record in shown:
+            groups.setdefault(record.upstream, []).append(record)
+        full = all or len(shown) <= SHORT  # a short report in full
+        rows: list[tuple[str, ...]] = [("patch", "status", "target", "reason") if wide else ("patch", "status", "reason")]
+        headings: dict[int, str] = {}
+        quiet: list[str] = []
+        for upstream, group in groups.items():
+            if not full and all_deferred(group):
+                quiet.append(f"{upstream} ({len(group)})")
+                continue
+            title = elide(f"{upstream}: {counts(group)}", WIDTH)
+            listed = group if full else [r for r in group if needs_attention(r)]
+            if not listed:
+                lines.append(title)
+                continue
+            headings[len(rows)] = title
+            for record in listed:
+                reason = record.reason + (f" (rebound {', '.join(record.rebound)})" if record.rebound else "")
+                rows.append((record.patch, str(record.status), record.target, reason) if wide
+                            else (record.patch, str(record.status), reason))  # a name starts with its codebase
+        if len(rows) > 1:
+            lines.append(headings.pop(1))  # the first group's title above the columns' names
+            lines.append(format_table(rows, wide=wide, headings=headings, indent=2))
+        if quiet:
+            lines += textwrap.wrap("waiting for their module to be imported: " + ", ".join(quiet), WIDTH,
+                                   subsequent_indent="  ", break_on_hyphens=False)
+        if not full:
+            lines.append('every record of one codebase: report().table("NAME"); of all: report().table(all=True)')
+        return "\n".join(lines + ([f"(and {waiting})"] if hidden else []))
 
     def __repr__(self) -> str:
         return str(self)
@@ -191,3 +259,17 @@ class Report(tuple):  # type: ignore[type-arg]
 
     def by_status(self, status: Status | str) -> list[Record]:
         return [record for record in self if record.status == Status(status)]
+
+
+def needs_attention(record: Record) -> bool:
+    """Whether a record asks the reader to act: a failure, code left alone (unknown, unreadable), or a
+    target not in place although its module ran (every reason but the usual ones)."""
+    if record.status == Status.FAILED:
+        return True
+    if record.status == Status.SKIPPED:
+        return not record.reason.startswith(("excluded", "fixed upstream", "already gradpatch's fix", "adopted instead"))
+    return record.status == Status.DEFERRED and not record.reason.startswith("waiting for")
+
+
+def all_deferred(records: Sequence[Record]) -> bool:
+    return all(r.status == Status.DEFERRED for r in records)

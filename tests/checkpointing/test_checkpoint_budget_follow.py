@@ -191,3 +191,43 @@ def test_tradeoff_table_plot_and_cli(tmp_path, capsys):
     captured = capsys.readouterr()
     assert "respect" in captured.out and "never" in captured.out
     assert "cannot load 'mystep:missing'" in captured.err
+
+
+def test_tradeoff_names_budgets_in_mib_shows_the_spread_warns_when_noisy_and_recommends():
+    from gradpatch.checkpointing.tradeoff import Point, Tradeoff, budget_policy
+    from gradpatch.settings import check_policy
+
+    mib = 2**20
+    # A fake timing source: the points as tradeoff() builds them, with the timings given.
+    steady = Tradeoff([Point("respect", 10 * mib, 0, 0.0200, 1.0, (0.0199, 0.0200, 0.0202)),
+                       Point(budget_policy(1359274), 10 * mib + 1359274, 1359274, 0.0180, 0.9, (0.0179, 0.018, 0.0181)),
+                       Point("never", 14 * mib, 4 * mib, 0.0170, 0.85, (0.0169, 0.0170, 0.0171))])
+    text = str(steady)
+    lines = text.splitlines()
+    assert lines[0].split() == ["policy", "peak", "beyond", "respect", "s/step", "spread", "/respect"]
+    assert lines[2].split() == ["budget:1.30MiB", "11.30", "MiB", "1.30", "MiB", "0.0180", "1%", "0.900"]
+    assert "budget:1359274" not in text and check_policy("budget:1.30MiB") == "budget:1.30MiB"
+    assert "warning" not in text and steady.noise() == ""
+    assert lines[-1] == "recommended: budget:1.30MiB (within 10% of the fastest step, never, at 2.70 MiB less peak)"
+    noisy = Tradeoff([p._replace(times=(p.seconds * 0.7, p.seconds, p.seconds * 1.3)) for p in steady])
+    text = str(noisy)
+    assert "60%" in text and "warning: timings too noisy to rank: respect's spread 60% exceeds the 18%" in text
+    assert text.splitlines()[-1] == "recommended: respect (the lowest peak; the timings cannot rank the policies)"
+    assert max(map(len, text.splitlines())) <= 100
+    fastest_is_cheapest = Tradeoff([Point("respect", mib, 0, 0.01, 1.0, (0.01, 0.01)),
+                                    Point("never", 2 * mib, mib, 0.02, 2.0, (0.02, 0.02))])
+    assert fastest_is_cheapest.recommendation() == "recommended: respect (the fastest step, 1.00 MiB peak)"
+    assert [budget_policy(n) for n in (500, 5000, 3 * mib // 2, 200 * mib)] == [
+        "budget:500", "budget:0.00477MiB", "budget:1.50MiB", "budget:200MiB"]
+
+
+def test_tradeoff_takes_a_timing_source():
+    from gradpatch.checkpointing.tradeoff import tradeoff
+
+    model, x = chain(2), torch.randn(4, 128)
+    ticks = iter(range(1, 1000))
+    result = tradeoff(lambda: model(x).mean().backward(), fractions=(0.5,), repeats=3, progress=False,
+                      timer=lambda step, cuda: (step(), next(ticks) * 1e-3)[1])
+    assert [len(p.times) for p in result] == [3, 3, 3] and result[0].times == (0.001, 0.002, 0.003)
+    assert result[1].policy.endswith("MiB") or result[1].policy[7:].isdigit()
+    assert "recommended: " in str(result)

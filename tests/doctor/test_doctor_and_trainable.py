@@ -55,16 +55,20 @@ def test_doctor_names_the_broken_checkpoint_and_the_frozen_parameters():
     assert any(name.endswith("transformer_blocks.0.norm1.weight") for name in finding.parameters)
     assert not any("attn2" in name for name in finding.parameters)
     assert "gradpatch doctor" in "".join(getattr(raised.value, "__notes__", []))
+    # The parameters the upstream backward raised on are labelled frozen; every line fits 100 columns.
+    assert finding.frozen and " (frozen)\n" in text and max(map(len, text.splitlines())) <= 100, text
 
 
-def test_doctor_is_silent_on_a_working_patched_step():
+def test_doctor_says_in_one_line_that_a_working_patched_step_is_healthy():
     model = audioldm_unet()
     gradpatch.trainable(model, include=["*attn2*"])
+    trained = sum(p.requires_grad for p in model.parameters())
     with gradpatch.applied("audioldm"):
         stream = io.StringIO()
         with gradpatch.grad_doctor(model, file=stream) as diagnosis:
             _step(model)
-    assert not diagnosis and stream.getvalue() == ""
+    assert not diagnosis and trained > 0
+    assert stream.getvalue() == f"gradpatch doctor: every trainable parameter got a gradient ({trained} tensors)\n"
 
 
 def test_doctor_reports_parameters_the_loss_never_reached():
@@ -101,7 +105,8 @@ out.pow(2).mean().backward()
     fixed = subprocess.run([sys.executable, "-m", "gradpatch", "doctor", str(script)], capture_output=True,
                            text=True, env={**__import__("os").environ, "GRADPATCH": "audioldm"})
     assert fixed.returncode == 0, fixed.stderr
-    assert "gradpatch doctor" not in fixed.stderr
+    assert fixed.stderr.count("gradpatch doctor") == 1, fixed.stderr  # one line: healthy
+    assert "gradpatch doctor: every trainable parameter got a gradient (" in fixed.stderr
 
 
 REENTRANT_SCRIPT = """
@@ -149,3 +154,23 @@ def test_doctor_cli_reports_a_missing_script(tmp_path):
                             capture_output=True, text=True, cwd=tmp_path)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "cannot run 'no_such_script.py': no such file" in result.stderr
+
+
+def test_findings_wrap_at_100_columns_and_keep_paths_whole():
+    from gradpatch.doctor.diagnosis import Diagnosis, Finding, healthy_line
+
+    path = "/a/very/long/path/to/the/project/that/someone/keeps/their/training/code/in/train_with_lora.py:11;"
+    finding = Finding("model.blocks.3 (Block)", tuple(f"model.blocks.3.layer{i}.weight" for i in range(9)),
+                      "Block runs torch's reentrant checkpoint (use_reentrant=True or unspecified), called at "
+                      + path + " no input of that call required grad, so the parameters inside get no gradient",
+                      "pass use_reentrant=False there, or bind gradpatch.checkpointing.checkpoint.non_reentrant("
+                      "torch.utils.checkpoint.checkpoint) in its place", frozen=True)
+    text = str(Diagnosis([finding]))
+    lines = text.splitlines()
+    assert lines[0] == "gradpatch doctor:" and max(len(line) for line in lines if path not in line) <= 100, text
+    assert lines[1].startswith("- model.blocks.3 (Block): model.blocks.3.layer0.weight, ")
+    assert text.count(" and 5 more (frozen)") == 1 and path in text  # a path is never cut
+    assert lines[3].startswith("    cause: Block runs") and any(line.startswith("    fix:   pass") for line in lines)
+    assert healthy_line(1) == "gradpatch doctor: every trainable parameter got a gradient (1 tensor)"
+    assert healthy_line(7, 2) == "gradpatch doctor: every trainable parameter got a gradient (7 tensors in 2 models)"
+    assert str(Diagnosis(trainable=0)) == "gradpatch doctor: no parameter requires grad"

@@ -188,10 +188,14 @@ import gradpatch
 gradpatch.apply("fakeup")
 import fakeup
 print(gradpatch.report())
+print(gradpatch.report().table(wide=True))
 """, pythonpath=[fake_upstream])
     lines = result.stdout.strip().splitlines()
-    assert lines[0].split() == ["patch", "status", "target", "reason"]
-    assert lines[1].split()[:3] == ["fakeup.checkpoint", "applied", "fakeup.util:checkpoint"]
+    assert lines[:2] == ["gradpatch: 1 patch: 1 applied", "fakeup: 1 applied"]
+    assert lines[2].split() == ["patch", "status", "reason"]
+    assert lines[3].split()[:2] == ["fakeup.checkpoint", "applied"]
+    assert lines[6].split() == ["patch", "status", "target", "reason"]
+    assert lines[7].split()[:3] == ["fakeup.checkpoint", "applied", "fakeup.util:checkpoint"]
 
 
 def test_records_are_json_serialisable(fake_upstream):

@@ -49,7 +49,7 @@ def test_doctor_without_a_script_prints_its_usage():
 
 @pytest.mark.parametrize("command", ["list", "status"])
 def test_tables_fit_100_columns_and_wide_and_json_keep_everything(command):
-    narrow = gradpatch(command, *(["--all"] if command == "status" else []))
+    narrow = gradpatch(command, "--all")
     assert narrow.returncode == 0, narrow.stderr
     assert widest(narrow.stdout) <= WIDTH
     assert "audioldm.checkpoint" in narrow.stdout
@@ -114,16 +114,82 @@ def test_report_table_fits_and_shows_deferred_rows_of_missing_packages_on_reques
         Record("torch.checkpoint", "torch", "torch.utils.checkpoint:checkpoint", Status.DEFERRED, "waiting"),
     ])
     text = str(report)
-    assert widest(text) <= WIDTH and text.splitlines()[0].split() == ["patch", "status", "target", "reason"]
+    lines = text.splitlines()
+    # Counts first, then by codebase; a report this short shows every record.
+    assert widest(text) <= WIDTH and lines[0] == "gradpatch: 3 patches: 1 applied, 2 deferred"
+    assert lines[1] == "audioldm: 1 applied" and lines[2].split() == ["patch", "status", "reason"]
     assert "nosuchpkg" not in text and "torch.checkpoint" in text  # installed but not imported: shown
-    assert text.splitlines()[-1] == ("(and 1 deferred for packages not installed here "
-                                     "(report().table(all=True) lists them))")
+    assert lines[-1] == ("(and 1 deferred for packages not installed here "
+                         "(report().table(all=True) lists them))")
     everything = report.table(all=True)
     assert "nosuchpkg.CheckpointFunction" in everything and widest(everything) <= WIDTH
     wide = report.table(all=True, wide=True).splitlines()
-    assert len(wide) == 4 and long.strip() in wide[1]
+    assert wide[2].split() == ["patch", "status", "target", "reason"]
+    assert len([line for line in wide if line.startswith("  ")]) == 4 and any(long.strip() in line for line in wide)
     only_missing = Report([report[1]])
     assert str(only_missing).startswith("gradpatch: 1 deferred for packages not installed here")
+
+
+def _records(codebases: dict[str, list[str]]) -> list:
+    from gradpatch.patching.patch import Record, Status
+
+    return [Record(f"{name}.p{i}", name, f"json.{name}:p{i}", Status(status),  # json: installed
+                   "unknown code (fingerprint 0123456789abcdef)" if status == "skipped" else
+                   "waiting for os.path to be imported" if status == "deferred" else "fixed it")
+            for name, statuses in codebases.items() for i, status in enumerate(statuses)]
+
+
+def test_a_long_report_leads_with_counts_one_line_per_codebase_and_filters_by_codebase():
+    from gradpatch.patching.patch import Report
+
+    report = Report(_records({"alpha": ["applied"] * 30, "beta": ["applied"] * 5 + ["skipped"],
+                              "gamma": ["deferred"] * 12, "delta-x": ["deferred"] * 3}))
+    lines = str(report).splitlines()
+    assert lines[0] == "gradpatch: 51 patches: 35 applied, 15 deferred, 1 skipped"
+    assert lines[1] == "alpha: 30 applied" and lines[2] == "beta: 5 applied, 1 skipped"
+    assert lines[3].split() == ["patch", "status", "reason"]  # only what asks for attention is listed
+    assert lines[4].split()[:2] == ["beta.p5", "skipped"] and "alpha.p0" not in str(report)
+    assert lines[5] == "waiting for their module to be imported: gamma (12), delta-x (3)"
+    assert lines[6] == 'every record of one codebase: report().table("NAME"); of all: report().table(all=True)'
+    assert len(lines) == 7 and widest(str(report)) <= WIDTH
+    alpha = report.table("alpha").splitlines()
+    assert alpha[0] == "gradpatch: 30 patches: 30 applied" and len(alpha) == 33
+    assert all("alpha.p" in line for line in alpha[3:]) and report.table("Delta_X").count("delta-x.p") == 3
+    assert report.table("nope").startswith("gradpatch: no record of codebase 'nope' here (codebases: alpha, beta")
+    assert len(report.table(all=True).splitlines()) == 1 + 4 + 1 + 51
+
+
+def test_the_whole_catalogue_fits_100_columns_in_the_report_and_the_list():
+    from support import run_python
+
+    result = run_python("""
+import warnings, gradpatch
+warnings.simplefilter("ignore")
+report = gradpatch.apply()
+print(str(report)); print("=" * 10); print(report.table(all=True))
+""")
+    assert result.returncode == 0, result.stderr
+    summary, everything = result.stdout.split("=" * 10 + "\n")
+    assert widest(summary) <= WIDTH and widest(everything) <= WIDTH
+    assert summary.startswith("gradpatch: ") and len(summary.splitlines()) <= 10, summary
+    from gradpatch.patching.activation import known_patches
+
+    assert all(name in everything for name in known_patches())
+    listing = gradpatch("list")
+    lines = listing.stdout.splitlines()
+    codebases = {patch.upstream for patch in known_patches().values()}
+    assert lines[0] == (f"gradpatch: {len(known_patches())} patches for {len(codebases)} codebases "
+                        "(one codebase: gradpatch list NAME; every patch: --all)")
+    assert len(lines) == len(codebases) + 2 and widest(listing.stdout) <= WIDTH
+    assert next(line for line in lines if line.startswith("f5_tts ")).split() == ["f5_tts", "1", "CFM.sample"]
+    one = gradpatch("list", "audioldm").stdout
+    assert one.startswith("gradpatch: 22 patches for audioldm\n") and widest(one) <= WIDTH
+    assert all(name in one for name in known_patches() if name.startswith("audioldm."))
+    assert "audioldm2." not in one and "f5_tts" not in one
+    every = gradpatch("list", "--all").stdout
+    assert widest(every) <= WIDTH and all(name in every for name in known_patches())
+    wrong = gradpatch("list", "f5")
+    assert wrong.returncode == 2 and "no codebase 'f5'; did you mean 'f5_tts'?" in wrong.stderr
 
 
 @pytest.mark.slow

@@ -334,7 +334,8 @@ def test_audioldm_extra_gives_a_working_environment_and_the_cli_a_newcomer_meets
     assert records[:2] == [["audioldm.checkpoint", "applied"], ["audioldm.CheckpointFunction", "applied"]]
     assert all(status == "applied" for _, status in records), records  # its samplers too
     assert all_grads
-    report = run_in(python, "-c", "import gradpatch, audioldm; print(gradpatch.report())",
+    report = run_in(python, "-c", "import gradpatch, audioldm; print(gradpatch.report().table('audioldm')); "
+                    "print(gradpatch.report())",
                     env={"GRADPATCH": "1"}, cwd=tmp_path)
     lines = report.stdout.splitlines()
     assert max(map(len, lines)) <= WIDTH and "audioldm.checkpoint" in report.stdout
