@@ -18,7 +18,7 @@ TEXT = {page.relative_to(ROOT).as_posix(): page.read_text(encoding="utf-8") for 
 FILES = {"gradpatch.pth", "gradpatch.start"}
 #: Names the docs describe ahead of the code that provides them; their snippets are marked not run. A name
 #: here that exists is checked like any other.
-PENDING = {"gradpatch.adopt": "gradpatch.adopt (docs/how-to/unknown-code.md), added with its own change"}
+PENDING: dict[str, str] = {}
 
 
 def code_of(text: str) -> list[str]:
