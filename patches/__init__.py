@@ -30,4 +30,5 @@ MODULES = (
     "diffsinger",
     "tango",
     "audiolcm",
+    "lerobot",
 )
