@@ -7,7 +7,10 @@ compute the VLM prefix's key/value cache once, then Euler-integrate the action e
 ``x_t += dt * v_t`` in place, made exact by copy on write). ``sample_actions(..., cache=False)``: gradients to
 the action expert, the projections, the VLM (through the prefix cache) and to ``noise``/``state``;
 ``grad_steps=K`` counts Euler steps (one ``denoise_step`` each; the latent entering step N-K is detached),
-``checkpoint_steps=True`` recomputes each ``denoise_step`` in backward.
+``checkpoint_steps=True`` recomputes each ``denoise_step`` in backward. SmolVLA refuses ``grad_steps``
+(ValueError): its ``denoise_step`` appends to the prefix's KV cache and crops it back every step, so steps
+run without grad would leave the cache without the prefix's graph; SmolVLA's ``sample_actions`` is not
+decorated (its policy's ``predict_action_chunk`` is, around it): ``cache=False`` adds the options.
 
 The diffusion policy: ``DiffusionModel.conditional_sample`` (a diffusers scheduler loop, one ``self.unet``
 call per step, ``self.num_inference_steps`` of them) and the policy's ``@torch.no_grad()``
@@ -20,7 +23,8 @@ from gradpatch.patching.patch import Patch
 from gradpatch.sampling.generic.any_sampler import sampler
 
 _SAMPLE = "{}.sample_actions(cache=False): gradients through the Euler solve; grad_steps, checkpoint_steps"
-_FLOW = "gradpatch.sampling.families.lerobot:flow_sampler"
+_FAMILY = "gradpatch.sampling.families.lerobot"
+_FLOW = f"{_FAMILY}:flow_sampler"
 _POLICIES = "lerobot.policies"
 _DIFFUSION = f"{_POLICIES}.diffusion.modeling_diffusion"
 
@@ -34,8 +38,7 @@ def _flow(name: str, module: str, cls: str, fix: str, digest: str) -> Patch:
 PATCHES = [
     _flow("pi0", "pi0.modeling_pi0", "PI0Pytorch", _FLOW, "b233f441343cfff7"),
     _flow("pi05", "pi05.modeling_pi05", "PI05Pytorch", _FLOW, "17492aeddb735c38"),
-    _flow("smolvla", "smolvla.modeling_smolvla", "VLAFlowMatching",
-          sampler(step="denoise_step", steps="self.config.num_steps"), "95f1e8f940e63aff"),
+    _flow("smolvla", "smolvla.modeling_smolvla", "VLAFlowMatching", f"{_FAMILY}:smolvla_sampler", "95f1e8f940e63aff"),
     Patch("lerobot.diffusion.conditional_sample", f"{_DIFFUSION}:DiffusionModel.conditional_sample",
           sampler(step="unet", steps="self.num_inference_steps"),
           Fingerprints({"ea841b7b86df9ded": "lerobot 0.6.1"}), "lerobot",

@@ -233,8 +233,9 @@ def _grads(out: Any, model: Any, inputs: list) -> list:
     return weighted_grads(out, inputs + params)
 
 
-@pytest.mark.parametrize("option", list(OPTIONS))
-@pytest.mark.parametrize("name", CASES)
+# SmolVLA refuses grad_steps (test_smolvla_grad_steps_is_refused).
+@pytest.mark.parametrize(("name", "option"), [(name, option) for name in CASES for option in OPTIONS
+                                              if not (name == "smolvla" and "grad_steps" in option)])
 def test_lerobot_gradients_equal_the_hand_written_sampler(name: str, option: str) -> None:
     model, kw, reference, entry, inputs = _case(name)
     for tensor in inputs:
@@ -271,7 +272,7 @@ def test_lerobot_cache_true_is_upstream_bitwise(name: str) -> None:
     with gradpatch.applied("lerobot") as report:
         assert vars(type(model))[entry] is not upstream, report
         got = getattr(model, entry)(**kw)
-    assert torch.equal(got, want) and not got.requires_grad
+    assert torch.equal(got, want) and got.requires_grad is want.requires_grad
 
 
 def test_conditional_sample_grad_steps_and_checkpoint_steps() -> None:
@@ -292,3 +293,13 @@ def test_conditional_sample_grad_steps_and_checkpoint_steps() -> None:
     assert want[0] is None  # the latent entering the last step is detached: no gradient to the noise
     assert_grads_close(got, want, rtol=1e-4)
     assert_grads_close(checkpointed, plain, rtol=1e-4)
+
+
+def test_smolvla_grad_steps_is_refused() -> None:
+    """SmolVLA's ``denoise_step`` appends to the prefix's KV cache and crops it back each step: steps run
+    without grad would leave the cache without the prefix's graph (measured: the state's gradient off by
+    14%), so ``grad_steps`` raises and says why."""
+    model, kw = _smolvla()
+    with gradpatch.applied("lerobot"):
+        with pytest.raises(ValueError, match="grad_steps is not offered for SmolVLA"):
+            model.sample_actions(**kw, cache=False, grad_steps=1)
