@@ -35,11 +35,22 @@ NEWEST_TESTS := $(LOWER_TESTS) tests/checkpointing/test_checkpoint_functorch.py 
 	tests/upstream/test_diffusers_pipelines.py
 SKIP_TORCH_NEWEST ?=
 
+# LeRobot 0.6.1 needs Python >= 3.12: its policies (pi0, pi05, SmolVLA, diffusion) are tested in a venv of
+# their own, made with PYTHON_LEROBOT: the first python3.13 / python3.12 on PATH that runs, else pyenv's
+# 3.13 / 3.12 under ~/.pyenv/versions (Debian trixie: `apt-get install python3.13 python3.13-venv`), from
+# requirements/lerobot.txt; only tests/upstream/test_lerobot.py runs there (it skips elsewhere, with its
+# reason). Skipping it takes a reason: `make test SKIP_LEROBOT="why"`, which is printed.
+PYTHON_LEROBOT ?= $(firstword $(shell for p in python3.13 python3.12; do command -v $$p >/dev/null && $$p -c "" 2>/dev/null && command -v $$p; done) \
+	$(wildcard $(HOME)/.pyenv/versions/3.13*/bin/python3.13 $(HOME)/.pyenv/versions/3.12*/bin/python3.12) python3.13)
+LEROBOT_VENV ?= .venv-lerobot
+LEROBOT_PY := $(LEROBOT_VENV)/bin/python
+SKIP_LEROBOT ?=
+
 # JUNIT_DIR=<folder> (.ci/run): each pytest run of `make test` also writes <folder>/<venv>.xml.
 JUNIT_DIR ?=
 junit = $(if $(JUNIT_DIR),--junitxml=$(JUNIT_DIR)/$(1).xml)
 
-.PHONY: demo test lint docs test-torch-lower test-torch-newest newcomer bench clean
+.PHONY: demo test lint docs test-torch-lower test-torch-newest test-lerobot newcomer bench clean
 
 $(VENV)/.installed: pyproject.toml requirements/test.txt requirements/upstream.txt requirements/upstream-build.txt
 	$(PYTHON) -m venv $(VENV)
@@ -77,6 +88,11 @@ ifeq ($(strip $(SKIP_TORCH_NEWEST)),)
 else
 	@echo "NOT RUN: engine and checkpoint tests on the newest torch (SKIP_TORCH_NEWEST: $(SKIP_TORCH_NEWEST))"
 endif
+ifeq ($(strip $(SKIP_LEROBOT)),)
+	$(MAKE) test-lerobot
+else
+	@echo "NOT RUN: the LeRobot policy tests on Python 3.13 (SKIP_LEROBOT: $(SKIP_LEROBOT))"
+endif
 
 # gradpatch itself is installed in the lowest/newest-torch venvs as in .venv (editable, with its start-up
 # file: tests/patching/test_trust.py starts interpreters with GRADPATCH set); hatchling builds it (torch-*.txt).
@@ -98,6 +114,22 @@ $(NEWEST_VENV)/.installed: requirements/torch-newest.txt pyproject.toml
 test-torch-newest: $(NEWEST_VENV)/.installed
 	PYTHONPATH=. GRADPATCH_TEST_ENV=torch-newest $(NEWEST_PY) -m pytest -p no:cacheprovider $(call junit,torch-newest) $(NEWEST_TESTS)
 
+# torch first and named in every command; then lerobot and what its policies import, --no-deps (it pins
+# torch<2.12); gradpatch editable, as in the other venvs.
+$(LEROBOT_VENV)/.installed: requirements/lerobot.txt pyproject.toml
+	@$(PYTHON_LEROBOT) -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null || { echo "test-lerobot: \
+	'$(PYTHON_LEROBOT)' is not a Python >= 3.12 interpreter (LeRobot 0.6.1 needs one). Install python3.13 \
+	(apt-get install python3.13 python3.13-venv, or pyenv install 3.13) and pass PYTHON_LEROBOT=<its path>, \
+	or skip with a reason: make test SKIP_LEROBOT=\"why\"" >&2; exit 1; }
+	$(PYTHON_LEROBOT) -m venv $(LEROBOT_VENV)
+	$(LEROBOT_PY) -m pip install --quiet torch==2.14.1 torchvision==0.29.1
+	$(LEROBOT_PY) -m pip install --quiet --no-deps torch==2.14.1 torchvision==0.29.1 -r requirements/lerobot.txt
+	$(LEROBOT_PY) -m pip install --quiet --no-deps --no-build-isolation -e .
+	touch $@
+
+test-lerobot: $(LEROBOT_VENV)/.installed
+	PYTHONPATH=. GRADPATCH_TEST_ENV=lerobot $(LEROBOT_PY) -m pytest -p no:cacheprovider $(call junit,lerobot) tests/upstream/test_lerobot.py
+
 # The wheel in fresh virtual environments, installed as the README's Install section says, and the
 # Python blocks of the README and of the docs pages whose blocks stand alone run there (also part of `make test`).
 newcomer: $(VENV)/.installed
@@ -107,4 +139,4 @@ bench: $(VENV)/.installed
 	for script in benchmarks/*.py; do $(PY) $$script --quick || exit 1; done
 
 clean:
-	rm -rf $(VENV) $(LOWER_VENV) $(NEWEST_VENV) build dist .pytest_cache
+	rm -rf $(VENV) $(LOWER_VENV) $(NEWEST_VENV) $(LEROBOT_VENV) build dist .pytest_cache

@@ -34,4 +34,5 @@ MODULES = (
     "audiolcm",
     "diffsynth",
     "wan",
+    "lerobot",
 )

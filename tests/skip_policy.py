@@ -9,9 +9,11 @@ or in a test) fails instead where the running environment declares that module:
 - the lowest- and newest-torch environments (``.venv-torch-lower``, ``.venv-torch-newest``) declare what
   their ``requirements/torch-*.txt`` lists: a test of a package listed there fails, one of an upstream
   package the file leaves out skips with its reason;
+- the lerobot environment (``.venv-lerobot``) declares ``requirements/lerobot.txt``; a package tested
+  only there (``ELSEWHERE``) skips in every other environment, with a reason naming its environment;
 - elsewhere (an environment of one's own) the skip stays a skip.
 
-The environment is the one ``GRADPATCH_TEST_ENV`` names (``main``, ``torch-lower``, ``torch-newest``: the
+The environment is the one ``GRADPATCH_TEST_ENV`` names (``main``, ``torch-lower``, ``torch-newest``, ``lerobot``: the
 Makefile sets it), else the one the virtual environment's folder name says.
 
 Under ``CI=true`` in the main environment, the session fails too when any test skipped for a reason that
@@ -30,7 +32,13 @@ import pytest
 REQUIREMENTS = Path(__file__).resolve().parent.parent / "requirements"
 #: The Makefile's virtual environments, by the name of their requirements file ("main": all of test.txt,
 #: upstream.txt, upstream-build.txt); the Makefile also says it in GRADPATCH_TEST_ENV.
-VENVS = {".venv": "main", ".venv-torch-lower": "torch-lower", ".venv-torch-newest": "torch-newest"}
+VENVS = {".venv": "main", ".venv-torch-lower": "torch-lower", ".venv-torch-newest": "torch-newest",
+         ".venv-lerobot": "lerobot"}
+#: Upstream packages whose tests run only in an environment of their own (``lerobot`` needs Python >= 3.12):
+#: elsewhere, the main environment included, their import skip stays a skip, and it is not one of the
+#: non-CUDA skips that fail a CI run (its reason names the environment, ``make test`` runs it there).
+ELSEWHERE = {"lerobot": "lerobot"}
+_ELSEWHERE_REASON = re.compile(r"runs in the ([\w-]+) test environment")
 _COULD_NOT_IMPORT = re.compile(r"could not import '([\w.]+)'(?:: No module named '([\w.]+)')?")
 
 
@@ -93,6 +101,8 @@ def _failure(text: str) -> str | None:
         return None
     module = match.group(2) or match.group(1)
     where, declared = ENVIRONMENT
+    if ELSEWHERE.get(_canonical(module.split(".")[0]), _environment_name()) != _environment_name():
+        return None
     if declared is not None and _canonical(module.split(".")[0]) not in declared:
         return None
     return (f"{module} cannot be imported, but {where} ({sys.prefix}) declares it (requirements/): a missing "
@@ -125,7 +135,7 @@ _non_cuda_skips: list[str] = []
 def _note(report) -> None:
     if report.skipped and isinstance(report.longrepr, tuple):
         reason = str(report.longrepr[-1])
-        if "cuda" not in reason.lower():
+        if "cuda" not in reason.lower() and not _ELSEWHERE_REASON.search(reason):
             _non_cuda_skips.append(f"{report.nodeid}: {reason}")
 
 

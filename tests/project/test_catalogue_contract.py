@@ -19,7 +19,9 @@ from gradpatch.patching.hooks import resolve
 TESTS = Path(__file__).resolve().parents[1]  # tests/, searched recursively
 
 #: codebase (``Patch.upstream``) -> (test file, test function, how: "package" or "replica", the name
-#: the test must mention: the package imported, or what the replica reproduces).
+#: the test must mention: the package imported, or what the replica reproduces). "package in
+#: test-<env>": the package's test runs in an environment of its own, which that Makefile target builds
+#: and runs the file in (LeRobot needs Python >= 3.12); elsewhere it skips, naming that environment.
 EXERCISED = {
     "audiolcm": ("test_audiolcm_replica.py", "test_declared_fixes_give_the_hand_fixed_gradients", "replica", "audiolcm"),
     "audioldm": ("test_audioldm_sampling.py", "test_gradients_equal_the_unwrapped_upstream", "package", "audioldm"),
@@ -51,6 +53,8 @@ EXERCISED = {
     "indextts2": ("test_flow_matching_family.py", "test_gradients_equal_the_hand_fixed_loop", "package", "indextts"),
     "k_diffusion": ("test_kdiffusion_sampling.py", "test_cache_false_gradients_equal_the_unwrapped_body",
                     "package", "k_diffusion"),
+    "lerobot": ("test_lerobot.py", "test_lerobot_gradients_equal_the_hand_written_sampler", "package in test-lerobot",
+                "lerobot"),
     "ldm": ("test_ldm_family_sampling.py", "test_gradients_equal_the_hand_undecorated_upstream", "package", "ldm"),
     "matcha": ("test_flow_matching_family.py", "test_gradients_equal_the_hand_fixed_loop", "package", "matcha"),
     "mmaudio": ("test_mmaudio_replica.py", "test_declared_fix_gives_the_hand_written_gradients", "replica",
@@ -99,7 +103,13 @@ def test_codebase_is_exercised_by_a_named_test(codebase):
     path = next(TESTS.rglob(filename), None)
     assert path is not None and path.is_file(), f"{codebase}: {filename} does not exist under tests/"
     assert test in _tests_in(path), f"{codebase}: {filename} has no function {test}"
-    assert how in ("package", "replica")
+    assert how in ("package", "replica") or how.startswith("package in test-"), how
+    if how.startswith("package in "):  # its Makefile target runs this file
+        target = how.removeprefix("package in ")
+        makefile = (TESTS.parent / "Makefile").read_text()
+        recipe = re.search(rf"^{re.escape(target)}:.*\n((?:\t.*\n)+)", makefile, re.M)
+        assert recipe and filename in recipe.group(1), f"{codebase}: make {target} does not run {filename}"
+        assert f"runs in the {target.removeprefix('test-')} test environment" in path.read_text()
     assert re.search(rf"\b{re.escape(mentions)}\b", path.read_text()), f"{codebase}: {filename} never names {mentions}"
     assert any(p.upstream == codebase for p in PATCHES), f"{codebase}: no declared patch (remove it from the table)"
 
