@@ -32,8 +32,20 @@ activations. The others are detached from the forward's graph and become the nod
 two of them share storage the call takes the graph path, so that an in-place change to one reaches
 the other.
 
-**Cost.** The forward's graph holds the block's activations only until ``func`` returns, as the
-recompute does in backward, so peak memory is that of the backward; the node saves the input tensors
+**Memory.** The forward runs under saved-tensor hooks of this module's own, innermost: what the
+forward's graph would save is dropped as it is saved (``id``), so each activation lives only as long
+as the forward itself uses it, as in torch's non-reentrant checkpoint, and the graph the walk reads
+holds none. (Without them, a reference cycle through the dropped graph, which module hooks such as
+torch's ``ModTracker``/``MemTracker`` make with ``register_multi_grad_hook``, kept the block's
+activations alive until the garbage collector ran: on a medium UNet, 12.4 of 18.5 MiB per forward,
+``benchmarks/memory_truth.py``.) A caller's saved-tensor hooks (``save_on_cpu``) are not called for
+them, there being nothing to keep; the node's inputs, which it does keep, go through them. A tensor
+computed inside the block that reaches backward by another way than the return value raises there.
+Where a caller reuses the forward's graph when the node cannot take the call (``reuse``: gradpatch's
+sampler steps), the saved tensors are held aside until the node is made, and dropped then.
+
+**Cost.** The forward holds the block's activations no longer than it uses them; peak memory is
+that of the backward, which recomputes the block; the node saves the input tensors
 and the 5 KB CPU RNG state. Building that graph (a third to a half of the extra CPU time) and
 walking it (0.4 to 2.2 us a node) is what this costs over upstream, whose forward runs under
 ``no_grad``: 3.6% on the tiny AudioLDM UNet on one CPU thread, 6% to 7% on an H100, where launching
@@ -53,13 +65,15 @@ from torch.overrides import has_torch_function
 from gradpatch.checkpointing import graph_walk
 from gradpatch.checkpointing.compat import autocast_dtype, autocast_enabled, engine_grad, sequence_nr
 from gradpatch.checkpointing.graph_path import parameters_as
+from gradpatch.checkpointing.saves import forward_saves
 
+_edge: Callable[[Tensor], Any] | None = getattr(torch.autograd.graph, "get_gradient_edge", None)  # torch 2.2 on
 _PLAIN = (Tensor, type(None), bool, int, float, str)  # what a fast-path output tuple may hold
 ESCAPED = object()
 
 
 def attempt(func: Callable[..., Any], args: tuple, kwargs: dict | None,
-            verify: tuple[str, str] | None = None) -> Any:
+            verify: tuple[str, str] | None = None, reuse: bool = False) -> Any:
     """``func``'s result through one :class:`Recompute` node, or ``ESCAPED`` (RNG rewound).
 
     ``verify``: (what ``func`` is, what to do instead) for the error raised in backward when the
@@ -67,12 +81,18 @@ def attempt(func: Callable[..., Any], args: tuple, kwargs: dict | None,
     kinds of node making the outputs. A cache that filled in the forward, say, would otherwise be
     differentiated as it ran the second time. (Counted, not walked: the count is two reads of the
     thread's autograd sequence number, where a walk of the recomputed graph cost 3% of a sampler
-    step's time on small models.)"""
+    step's time on small models.)
+
+    The forward runs under saved-tensor hooks of its own (module docstring, **Memory**): what it saves
+    is dropped at once, or, with ``reuse`` (a caller that keeps the forward's graph when this returns
+    ``ESCAPED``), held aside until the node is made and then dropped."""
     values = list(args) if kwargs is None else [*args, *kwargs.values()]
     state = _State(func, values, len(args), kwargs)
     state.verify = verify
+    held: list[Tensor] | None = [] if reuse else None
     start = sequence_nr()
-    out = state.call(values)
+    with forward_saves(held):
+        out = state.call(values)
     end = sequence_nr()
     if isinstance(out, Tensor):
         outs: tuple = (out,)
@@ -99,6 +119,8 @@ def attempt(func: Callable[..., Any], args: tuple, kwargs: dict | None,
     for i in routed:
         passed[i] = None
     del out, outs  # drop the forward's graph: the node's backward recomputes it
+    if held:
+        held.clear()  # even where a reference cycle keeps the graph's nodes until the collector runs
     results = Recompute.apply(state, *[values[i] for i in state.slots], *params)
     if single:
         return results[0]
@@ -256,8 +278,16 @@ class Recompute(torch.autograd.Function):
         outs, targets = state.rebuild(ctx.saved_tensors, create_graph)
         pairs = [(o, g) for o, g in zip(outs, grads)
                  if g is not None and isinstance(o, Tensor) and o.requires_grad]
+        del outs
         found: Sequence[Tensor | None] = [None] * len(targets)
         if pairs:
+            roots: tuple = tuple(o for o, _ in pairs)
+            if _edge is not None and not create_graph and not has_torch_function(roots):
+                # The outputs' edges: the recomputed outputs themselves are freed before the inner
+                # backward runs, as torch's checkpoint never holds them (one output's bytes less at peak).
+                roots = tuple(_edge(o) for o in roots)
+            pairs = [(root, g) for root, (_, g) in zip(roots, pairs)]
+            del roots
             # Tensor hooks of parameters would run in this inner autograd.grad and again on the
             # gradient this node returns (upstream does that): suspend them here.
             hooked = [(h, dict(h)) for p in state.params if (h := p._backward_hooks)]
