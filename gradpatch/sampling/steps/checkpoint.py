@@ -4,8 +4,11 @@ Each evaluation goes through the fixed checkpoint's node (:func:`gradpatch.check
 the forward builds the evaluation's graph, walks it once for the leaves it depends on (parameters,
 closed-over leaves) and drops it; one autograd node holds the inputs, and its backward recomputes the
 evaluation under the forward's RNG (CPU, and the CUDA devices of the inputs) and autocast state and
-differentiates it. No Python runs per saved tensor, which on a diffusers UNet step (about 430 saved
-tensors) cost as much as the recompute itself. An output that is not a tensor (a dataclass, a dict) is
+differentiates it. What the forward saves is held aside (one short Python call per saved tensor:
+``gradpatch.checkpointing.saves.Held``) and dropped once the node is made, even where a reference cycle
+(module hooks, a caller's ``save_on_cpu``) keeps the dropped graph's nodes; the node's inputs, which it
+keeps, go through the caller's saved-tensor hooks. Where the node cannot take the evaluation and its graph
+is kept, the held tensors go through those hooks then, as they would have without this. An output that is not a tensor (a dataclass, a dict) is
 flattened with ``torch.utils._pytree`` and rebuilt. A recompute that builds another graph than its
 forward (a cache that filled in the forward: another count of autograd nodes, or other nodes making the
 outputs) raises RuntimeError in backward rather than differentiate what ran the second time.
