@@ -32,21 +32,14 @@ activations. The others are detached from the forward's graph and become the nod
 two of them share storage the call takes the graph path, so that an in-place change to one reaches
 the other.
 
-**Memory.** The forward runs under saved-tensor hooks of this module's own, innermost: what the
-forward's graph would save is dropped as it is saved (``id``), so each activation lives only as long
-as the forward itself uses it, as in torch's non-reentrant checkpoint, and the graph the walk reads
-holds none. (Without them, a reference cycle through the dropped graph, which module hooks such as
-torch's ``ModTracker``/``MemTracker`` make with ``register_multi_grad_hook``, kept the block's
-activations alive until the garbage collector ran: on a medium UNet, 12.4 of 18.5 MiB per forward,
-``benchmarks/memory_truth.py``.) A caller's saved-tensor hooks (``save_on_cpu``) are not called for
-them, there being nothing to keep; the node's inputs, which it does keep, go through them. A tensor
-computed inside the block that reaches backward by another way than the return value raises there.
-Where a caller reuses the forward's graph when the node cannot take the call (``reuse``: gradpatch's
-sampler steps), the saved tensors are held aside until the node is made, and dropped then.
+**Memory.** The forward runs under saved-tensor hooks of its own (:mod:`gradpatch.checkpointing.saves`):
+what its graph would save is dropped as it is saved, so the graph holds no activation whatever keeps it
+(reference cycles through module hooks did, until the garbage collector ran); the node's inputs go
+through a caller's hooks (``save_on_cpu``). A tensor made inside the block that reaches backward by
+another way than the return value raises there.
 
-**Cost.** The forward holds the block's activations no longer than it uses them; peak memory is
-that of the backward, which recomputes the block; the node saves the input tensors
-and the 5 KB CPU RNG state. Building that graph (a third to a half of the extra CPU time) and
+**Cost.** Peak memory is the backward's, which recomputes the block; the node saves the input
+tensors and the 5 KB CPU RNG state. Building that graph (a third to a half of the extra CPU time) and
 walking it (0.4 to 2.2 us a node) is what this costs over upstream, whose forward runs under
 ``no_grad``: 3.6% on the tiny AudioLDM UNet on one CPU thread, 6% to 7% on an H100, where launching
 kernels bounds the step (``benchmarks/checkpoint_speed.py``, ``checkpoint_cost.py``, the README). A
@@ -67,7 +60,7 @@ from gradpatch.checkpointing.compat import autocast_dtype, autocast_enabled, eng
 from gradpatch.checkpointing.graph_path import parameters_as
 from gradpatch.checkpointing.saves import Held, forward_saves
 
-_edge: Callable[[Tensor], Any] | None = getattr(torch.autograd.graph, "get_gradient_edge", None)  # torch 2.2 on
+_edge: Callable[[Tensor], Any] | None = getattr(torch.autograd.graph, "get_gradient_edge", None)  # 2.2 on
 _PLAIN = (Tensor, type(None), bool, int, float, str)  # what a fast-path output tuple may hold
 ESCAPED = object()
 
@@ -83,9 +76,7 @@ def attempt(func: Callable[..., Any], args: tuple, kwargs: dict | None,
     thread's autograd sequence number, where a walk of the recomputed graph cost 3% of a sampler
     step's time on small models.)
 
-    The forward runs under saved-tensor hooks of its own (module docstring, **Memory**): what it saves
-    is dropped at once, or, with ``reuse`` (a caller that keeps the forward's graph when this returns
-    ``ESCAPED``), held aside until the node is made and then dropped."""
+    ``reuse``: the caller keeps the forward's graph where this returns ``ESCAPED`` (**Memory**)."""
     values = list(args) if kwargs is None else [*args, *kwargs.values()]
     state = _State(func, values, len(args), kwargs)
     state.verify = verify
@@ -287,8 +278,7 @@ class Recompute(torch.autograd.Function):
         if pairs:
             roots: tuple = tuple(o for o, _ in pairs)
             if _edge is not None and not create_graph and not has_torch_function(roots):
-                # The outputs' edges: the recomputed outputs themselves are freed before the inner
-                # backward runs, as torch's checkpoint never holds them (one output's bytes less at peak).
+                # Their edges: the recomputed outputs are freed before the inner backward runs.
                 roots = tuple(_edge(o) for o in roots)
             pairs = [(root, g) for root, (_, g) in zip(roots, pairs)]
             del roots
