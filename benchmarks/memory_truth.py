@@ -149,6 +149,7 @@ def memtracker(fn: Callable[[list], None], model: torch.nn.Module,
     """(peak, kept after the forward) by MemTracker; ``inner``: a measure run inside it."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
+    model.zero_grad(set_to_none=True)  # the start: parameters, no gradients
     tracker = MemTracker()
     tracker.track_external(model)
     start = _total(tracker.get_tracker_snapshot("current"))
@@ -167,7 +168,8 @@ def _total(snapshot: dict) -> int:
     return sum(device.get("Total", 0) for device in snapshot.values())
 
 
-def cuda_peak(fn: Callable[[list], None]) -> tuple[int, int]:
+def cuda_peak(fn: Callable[[list], None], model: torch.nn.Module) -> tuple[int, int]:
+    model.zero_grad(set_to_none=True)
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
@@ -181,7 +183,10 @@ def cuda_peak(fn: Callable[[list], None]) -> tuple[int, int]:
     return torch.cuda.max_memory_allocated() - before, marks[0]
 
 
-def table(name: str, batch_size: int | None, with_tracker: bool) -> None:
+VARIANTS = ["never", "respect", "respect-before", "torch-NR", "V1", "budget 50%"]
+
+
+def table(name: str, batch_size: int | None, with_tracker: bool, variants: list[str]) -> None:
     kwargs, shape, n = speed.MODELS[name]
     model, batch = speed.build(dict(kwargs, use_checkpoint=True), shape, batch_size or n)
     ckpt = fixed.replace_checkpoint(speed.V1)
@@ -193,9 +198,10 @@ def table(name: str, batch_size: int | None, with_tracker: bool) -> None:
         with speed.use(variant):
             kept[variant] = speed.saved_bytes(model, batch)
     size = (kept["never"] - kept["respect"]) // 2
-    cb.budget.reset()
-    cb.measure_plans(model, batch, size)
     speed.VARIANTS["budget 50%"] = (ckpt, cb.budget_policy(size))
+    if "budget 50%" in variants:
+        cb.budget.reset()
+        cb.measure_plans(model, batch, size)
     print(f"\n== {name}: batch {batch_size or n}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M "
           f"parameters ({sum(p.numel() * p.element_size() for p in model.parameters()) / MiB:.1f} MiB), "
           f"every block checkpointed; MiB above the step's start ==")
@@ -205,7 +211,7 @@ def table(name: str, batch_size: int | None, with_tracker: bool) -> None:
     if speed.DEVICE.type == "cuda":
         head += f" | {'CUDA peak':>10} {'kept':>8}"
     print(head)
-    for variant in ["never", "respect", "respect-before", "torch-NR", "V1", "budget 50%"]:
+    for variant in variants:
         def run(marks: list) -> None:
             model.zero_grad(set_to_none=True)
             step(model, batch, marks)
@@ -213,6 +219,7 @@ def table(name: str, batch_size: int | None, with_tracker: bool) -> None:
         context = before_fix() if variant == "respect-before" else contextlib.nullcontext()
         with speed.use(variant), context:
             run([])  # warm up
+            model.zero_grad(set_to_none=True)
             gc.collect()
             peak, after = allocator(run)
             row = f"{variant:15} {peak / MiB:8.1f} {after / MiB:8.1f}"
@@ -224,7 +231,7 @@ def table(name: str, batch_size: int | None, with_tracker: bool) -> None:
                 row += (f" | {mt_peak / MiB:15.1f} {mt_kept / MiB:8.1f} | {a_peak / MiB:24.1f} "
                         f"{a_kept / MiB:8.1f}")
             if speed.DEVICE.type == "cuda":
-                c_peak, c_kept = cuda_peak(run)
+                c_peak, c_kept = cuda_peak(run, model)
                 row += f" | {c_peak / MiB:10.1f} {c_kept / MiB:8.1f}"
         print(row, flush=True)
     model.zero_grad(set_to_none=True)
@@ -236,12 +243,13 @@ def main() -> None:
     parser.add_argument("--batch", type=int, help="batch size (default: 8 for medium, 2 for audioldm)")
     parser.add_argument("--no-memtracker", action="store_true", help="the allocator only (MemTracker is slow)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, of: " + ", ".join(VARIANTS))
     args = parser.parse_args()
     speed.DEVICE = torch.device(args.device)
     torch.set_num_threads(1)
     for name in [args.model] if args.model else ["medium", "audioldm"]:
         batch = args.batch or (8 if name == "medium" else None)
-        table(name, batch, not args.no_memtracker)
+        table(name, batch, not args.no_memtracker, args.variants.split(","))
 
 
 if __name__ == "__main__":
