@@ -50,6 +50,7 @@ import checkpoint_speed as speed  # noqa: E402
 
 from gradpatch.checkpointing import checkpoint as fixed  # noqa: E402
 from gradpatch.checkpointing import budget  # noqa: E402
+from gradpatch.checkpointing.budget import planner  # noqa: E402
 
 FRACTIONS = (0.25, 0.5, 0.75)
 # The real AudioLDM-S UNet (audioldm.utils.default_audioldm_config(): 8 latent channels,
@@ -102,7 +103,7 @@ def budget_policy(size: int) -> str:
 
 def forced(blocks: list, keep: list[bool], key: int) -> str:
     """A policy whose plan is ``keep``: the planner's plan for the otherwise unused size ``key``."""
-    budget._PLANNER.plans[key] = [(b, k, None) for b, k in zip(blocks, keep)]
+    planner.PLANNER.plans[key] = [(b, k, None) for b, k in zip(blocks, keep)]
     return budget_policy(key)
 
 
@@ -115,7 +116,7 @@ def measure_plans(model: torch.nn.Module, batch: tuple, size: int) -> list:
     del speed.VARIANTS["_measure"]
     plan = budget.checkpoint_plan(model)
     assert plan.complete, plan
-    return [block for _, block in budget._PLANNER.live()]
+    return [block for _, block in planner.PLANNER.live()]
 
 
 def add_budgets(model: torch.nn.Module, batch: tuple,
@@ -188,7 +189,7 @@ def curve(name: str, rounds: int, warmup: int, exhaustive: bool) -> None:
     half = sizes["budget 50%"]
     speed.VARIANTS["greedy 50%"] = (fixed_copy, forced(blocks, greedy(blocks, half), half + 1))
     # The same greedy with naive byte counts, scaled so that keeping all still fills the gap.
-    raw = raw_bytes(model, batch, [owner for owner, _ in budget._PLANNER.live()])
+    raw = raw_bytes(model, batch, [owner for owner, _ in planner.PLANNER.live()])
     scale = sum(b.step_bytes for b in blocks) / sum(raw)
     naive = greedy(blocks, half, [int(r * scale) for r in raw])
     speed.VARIANTS["naive 50%"] = (fixed_copy, forced(blocks, naive, half + 2))
@@ -224,8 +225,8 @@ def curve(name: str, rounds: int, warmup: int, exhaustive: bool) -> None:
               f"{low:6.3f}..{high:5.3f} {memory[variant] / 2**20:13.2f}MiB "
               f"{beyond / 2**20:12.2f}MiB {ratio}")
     print("planned: " + "; ".join(
-        f"{v}: {sum(k for _, k, _ in budget._PLANNER.plans[s])} of {len(blocks)} kept, "
-        f"{sum(a for _, k, a in budget._PLANNER.plans[s] if k) / 2**20:.2f} MiB estimated"
+        f"{v}: {sum(k for _, k, _ in planner.PLANNER.plans[s])} of {len(blocks)} kept, "
+        f"{sum(a for _, k, a in planner.PLANNER.plans[s] if k) / 2**20:.2f} MiB estimated"
         for v, s in sizes.items()))
     live_gap = live["never"] - live["respect"]
     print(f"live storages after the forward (weak references): respect "
@@ -241,7 +242,7 @@ def curve(name: str, rounds: int, warmup: int, exhaustive: bool) -> None:
               f"{plan.kept_bytes / kept:10.3f} {plan.kept_bytes / alive:6.3f} "
               f"{sum(not e.recomputed for e in plan):3}/{len(plan)}")
     median, low, high = speed.paired(times, "budget 50%", "greedy 50%")
-    planned = {b: k for b, k, _ in budget._PLANNER.plans[sizes["budget 50%"]]}
+    planned = {b: k for b, k, _ in planner.PLANNER.plans[sizes["budget 50%"]]}
     differ = sum(planned[b] != k for b, k in zip(blocks, greedy(blocks, sizes["budget 50%"])))
     print(f"budget 50% / greedy 50% = {median:.3f} ({low:.3f}..{high:.3f}); the plans differ in "
           f"{differ} of {len(blocks)} blocks")

@@ -38,11 +38,13 @@ from outside (DDP, ZeRO-1/2), keeps the fast path.
 Trade-off: the fast path does upstream's work plus the forward's graph, which a forward must build
 for the block to see the grad mode and ``requires_grad`` flags its recompute sees; that graph is
 what it costs over upstream (on one CPU thread, 5.5% of a training step of a tiny AudioLDM UNet and
-3.7% of a medium one: docs/benchmarks.md; ``benchmarks/checkpoint_speed.py``). It saves the same activations plus the 5 KB CPU RNG state, and
-the forward holds one block's activations while it runs, as the recompute does in backward. Limits,
-as for upstream and torch's checkpoints: tensors leaving ``func`` other than by its return value
-carry no gradient; ``func`` must not modify its inputs in place; a redone call repeats side effects
-such as BatchNorm statistics.
+3.7% of a medium one: docs/benchmarks.md; ``benchmarks/checkpoint_speed.py``). It saves the same activations plus the 5 KB CPU RNG state; the forward's graph saves nothing (its
+saved-tensor hooks drop what it would save), so the step peaks as under torch's non-reentrant
+checkpoint, reference cycles through module hooks or not, and under a caller's ``save_on_cpu`` the
+node's inputs are what goes through it (``benchmarks/memory_truth.py``). Limits, as for upstream and
+torch's checkpoints: a tensor leaving ``func`` other than by its return value raises if backward
+reaches it; ``func`` must not modify its inputs in place; a redone call repeats side effects such as
+BatchNorm statistics.
 """
 from __future__ import annotations
 

@@ -32,9 +32,14 @@ activations. The others are detached from the forward's graph and become the nod
 two of them share storage the call takes the graph path, so that an in-place change to one reaches
 the other.
 
-**Cost.** The forward's graph holds the block's activations only until ``func`` returns, as the
-recompute does in backward, so peak memory is that of the backward; the node saves the input tensors
-and the 5 KB CPU RNG state. Building that graph (a third to a half of the extra CPU time) and
+**Memory.** The forward runs under saved-tensor hooks of its own (:mod:`gradpatch.checkpointing.saves`):
+what its graph would save is dropped as it is saved, so the graph holds no activation whatever keeps it
+(reference cycles through module hooks did, until the garbage collector ran); the node's inputs go
+through a caller's hooks (``save_on_cpu``). A tensor made inside the block that reaches backward by
+another way than the return value raises there.
+
+**Cost.** Peak memory is the backward's, which recomputes the block; the node saves the input
+tensors and the 5 KB CPU RNG state. Building that graph (a third to a half of the extra CPU time) and
 walking it (0.4 to 2.2 us a node) is what this costs over upstream, whose forward runs under
 ``no_grad``: 3.6% on the tiny AudioLDM UNet on one CPU thread, 6% to 7% on an H100, where launching
 kernels bounds the step (``benchmarks/checkpoint_speed.py``, ``checkpoint_cost.py``, docs/benchmarks.md). A
@@ -53,13 +58,15 @@ from torch.overrides import has_torch_function
 from gradpatch.checkpointing import graph_walk
 from gradpatch.checkpointing.compat import autocast_dtype, autocast_enabled, engine_grad, sequence_nr
 from gradpatch.checkpointing.graph_path import parameters_as
+from gradpatch.checkpointing.saves import Held, forward_saves
 
+_edge: Callable[[Tensor], Any] | None = getattr(torch.autograd.graph, "get_gradient_edge", None)  # 2.2 on
 _PLAIN = (Tensor, type(None), bool, int, float, str)  # what a fast-path output tuple may hold
 ESCAPED = object()
 
 
 def attempt(func: Callable[..., Any], args: tuple, kwargs: dict | None,
-            verify: tuple[str, str] | None = None) -> Any:
+            verify: tuple[str, str] | None = None, reuse: bool = False) -> Any:
     """``func``'s result through one :class:`Recompute` node, or ``ESCAPED`` (RNG rewound).
 
     ``verify``: (what ``func`` is, what to do instead) for the error raised in backward when the
@@ -67,12 +74,17 @@ def attempt(func: Callable[..., Any], args: tuple, kwargs: dict | None,
     kinds of node making the outputs. A cache that filled in the forward, say, would otherwise be
     differentiated as it ran the second time. (Counted, not walked: the count is two reads of the
     thread's autograd sequence number, where a walk of the recomputed graph cost 3% of a sampler
-    step's time on small models.)"""
+    step's time on small models.)
+
+    ``reuse``: the caller keeps the forward's graph where this returns ``ESCAPED`` (**Memory**)."""
     values = list(args) if kwargs is None else [*args, *kwargs.values()]
     state = _State(func, values, len(args), kwargs)
     state.verify = verify
+    held = Held() if reuse else None
+    state.held = held
     start = sequence_nr()
-    out = state.call(values)
+    with forward_saves(held):
+        out = state.call(values)
     end = sequence_nr()
     if isinstance(out, Tensor):
         outs: tuple = (out,)
@@ -99,6 +111,8 @@ def attempt(func: Callable[..., Any], args: tuple, kwargs: dict | None,
     for i in routed:
         passed[i] = None
     del out, outs  # drop the forward's graph: the node's backward recomputes it
+    if held is not None:
+        held.clear()  # even where a reference cycle keeps the graph's nodes until the collector runs
     results = Recompute.apply(state, *[values[i] for i in state.slots], *params)
     if single:
         return results[0]
@@ -111,7 +125,7 @@ class _State:
     """What the fast path's backward needs besides the saved tensors."""
 
     __slots__ = ("func", "n_args", "keys", "params", "template", "slots", "diff", "out", "bound",
-                 "routed", "cpu_rng", "cuda_rng", "autocast", "verify", "shape")
+                 "routed", "cpu_rng", "cuda_rng", "autocast", "verify", "shape", "held")
 
     def __init__(self, func: Callable[..., Any], values: list, n_args: int,
                  kwargs: dict | None) -> None:
@@ -132,6 +146,7 @@ class _State:
         self.bound: list[tuple[torch.nn.Module, str, Tensor | None]] | None = None  # see rebuild
         self.verify: tuple[str, str] | None = None  # see attempt
         self.shape: tuple[int, tuple[str, ...]] | None = None  # the forward's, where verified
+        self.held: Held | None = None  # what the forward saved, with reuse
         self.cpu_rng = torch.get_rng_state()
         self.cuda_rng: list[tuple[int, Tensor]] = []
         if torch.cuda.is_initialized():  # never initialise CUDA just to read its RNG
@@ -149,6 +164,8 @@ class _State:
 
     def escape(self) -> object:
         self.rewind_rng()
+        if self.held is not None:  # the caller keeps the forward's graph: its saves go where they would have
+            self.held.settle()
         return ESCAPED
 
     def rewind_rng(self) -> None:
@@ -256,8 +273,15 @@ class Recompute(torch.autograd.Function):
         outs, targets = state.rebuild(ctx.saved_tensors, create_graph)
         pairs = [(o, g) for o, g in zip(outs, grads)
                  if g is not None and isinstance(o, Tensor) and o.requires_grad]
+        del outs
         found: Sequence[Tensor | None] = [None] * len(targets)
         if pairs:
+            roots: tuple = tuple(o for o, _ in pairs)
+            if _edge is not None and not create_graph and not has_torch_function(roots):
+                # Their edges: the recomputed outputs are freed before the inner backward runs.
+                roots = tuple(_edge(o) for o in roots)
+            pairs = [(root, g) for root, (_, g) in zip(roots, pairs)]
+            del roots
             # Tensor hooks of parameters would run in this inner autograd.grad and again on the
             # gradient this node returns (upstream does that): suspend them here.
             hooked = [(h, dict(h)) for p in state.params if (h := p._backward_hooks)]

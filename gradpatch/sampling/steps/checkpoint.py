@@ -4,8 +4,11 @@ Each evaluation goes through the fixed checkpoint's node (:func:`gradpatch.check
 the forward builds the evaluation's graph, walks it once for the leaves it depends on (parameters,
 closed-over leaves) and drops it; one autograd node holds the inputs, and its backward recomputes the
 evaluation under the forward's RNG (CPU, and the CUDA devices of the inputs) and autocast state and
-differentiates it. No Python runs per saved tensor, which on a diffusers UNet step (about 430 saved
-tensors) cost as much as the recompute itself. An output that is not a tensor (a dataclass, a dict) is
+differentiates it. What the forward saves is held aside (one short Python call per saved tensor:
+``gradpatch.checkpointing.saves.Held``) and dropped once the node is made, even where a reference cycle
+(module hooks, a caller's ``save_on_cpu``) keeps the dropped graph's nodes; the node's inputs, which it
+keeps, go through the caller's saved-tensor hooks. Where the node cannot take the evaluation and its graph
+is kept, the held tensors go through those hooks then, as they would have without this. An output that is not a tensor (a dataclass, a dict) is
 flattened with ``torch.utils._pytree`` and rebuilt. A recompute that builds another graph than its
 forward (a cache that filled in the forward: another count of autograd nodes, or other nodes making the
 outputs) raises RuntimeError in backward rather than differentiate what ran the second time.
@@ -39,7 +42,6 @@ second time.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import itertools
 from typing import Any, Callable, TypeVar
@@ -49,7 +51,7 @@ import torch.utils.checkpoint
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from gradpatch.checkpointing.compat import autocast_dtype, autocast_enabled, top_saved_tensors_hooks
+from gradpatch.checkpointing.compat import autocast_dtype, autocast_enabled
 from gradpatch.sampling.steps import generators
 from gradpatch.checkpointing.sharding import engine_loaded
 from gradpatch.checkpointing.checkpoint import ESCAPED, fast_path
@@ -195,7 +197,8 @@ def recomputed(fn: Callable[..., T], args: tuple, kwargs: dict, fast: bool) -> t
     fn = generators.wrap(fn, args, kwargs)
     if fast:
         structure: list[Any] = [None, None, True]  # how to rebuild the output; the forward's; keep it
-        out = fast_path(functools.partial(_flat_call, fn, structure), args, kwargs or None, verify=_VERIFY)
+        out = fast_path(functools.partial(_flat_call, fn, structure), args, kwargs or None, verify=_VERIFY,
+                        reuse=True)
         ran, structure[1], structure[2] = structure[1], None, False  # the recompute in backward keeps nothing
         if out is not ESCAPED:
             return (out if structure[0] is None else tree_unflatten(list(out), structure[0])), True
@@ -210,7 +213,7 @@ def recomputed(fn: Callable[..., T], args: tuple, kwargs: dict, fast: bool) -> t
 def _flat_call(fn: Callable[..., Any], structure: list[Any], *args: Any, **kwargs: Any) -> Any:
     """``fn``'s result, as a tensor or a flat tuple (``structure[0]``: how to rebuild it), with
     gradpatch's block checkpoints inside it plain: in the forward and in the recompute."""
-    with _inner_plain(), _detached_saves():
+    with _inner_plain():
         out = fn(*args, **kwargs)
     if isinstance(out, torch.Tensor):
         structure[0] = None
@@ -232,19 +235,6 @@ def _restore_rng(state: tuple[torch.Tensor, list[tuple[int, torch.Tensor]]]) -> 
     torch.set_rng_state(state[0])
     for device, cuda in state[1]:
         torch.cuda.set_rng_state(cuda, device)
-
-
-def _detached_saves() -> Any:
-    """The caller's saved-tensor hooks (``save_on_cpu``), given each tensor detached: hooks that keep the
-    tensor itself (``save_on_cpu`` of a CPU tensor) would keep a saved output's node alive through it, a
-    reference cycle that outlives the graph the fast path drops (the evaluation's whole graph leaked)."""
-    hooks = top_saved_tensors_hooks()
-    if hooks is None or getattr(hooks[0], "_checkpoint_internal", False) or \
-            str(getattr(hooks[1], "__module__", None) or "").startswith("gradpatch.") or \
-            not torch._C._autograd._saved_tensors_hooks_is_enabled():  # type: ignore[attr-defined]
-        return contextlib.nullcontext()  # none, torch's checkpoint's own, gradpatch's own (cycle-free)
-    pack, unpack = hooks
-    return torch.autograd.graph.saved_tensors_hooks(lambda tensor: pack(tensor.detach()), unpack)
 
 
 def _inner_plain() -> Any:
