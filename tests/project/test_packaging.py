@@ -51,7 +51,7 @@ def test_wheel_installs_activates_and_uninstalls_cleanly(built, tmp_path, fake_u
     result = subprocess.run([str(python), "-c", probe], capture_output=True, text=True, env=env, cwd=tmp_path)
     value, location, statuses = json.loads(result.stdout.strip().splitlines()[-1])
     assert value == 102 and location.startswith(str(site)) and "applied" in statuses, result.stderr
-    listing = subprocess.run([str(venv / "bin" / "gradpatch"), "list"], capture_output=True, text=True)
+    listing = subprocess.run([str(venv / "bin" / "gradpatch"), "list", "--all"], capture_output=True, text=True)
     assert "ldm.checkpoint" in listing.stdout and "guided_diffusion.checkpoint" in listing.stdout
 
     subprocess.run([str(python), "-m", "pip", "uninstall", "--quiet", "--yes", "gradpatch"], check=True)
