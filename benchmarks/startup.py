@@ -53,13 +53,13 @@ def startup_ms(repeats: int, **env: str) -> float:
 
 
 HOOK_TIMER = """
-import json, time, gradpatch.patching.activation as a
+import json, time, gradpatch.patching.activation as a, gradpatch.patching.import_time as i
 spent = [0.0]
-inner = a._on_import
+inner = i.on_import
 def timed(module, **kw):
     t = time.perf_counter(); found = inner(module, **kw); spent[0] += time.perf_counter() - t
     return found
-a._on_import = timed
+i.on_import = timed
 t = time.perf_counter(); import audioldm; total = time.perf_counter() - t
 print(json.dumps([spent[0] * 1e3, total * 1e3, [str(r.status) for r in a.report()]]))
 """
@@ -73,10 +73,9 @@ print(json.dumps([spent[0] * 1e3, total * 1e3, [str(r.status) for r in a.report(
 SCAN_PROBE = """
 import json, sys, time, timeit, types
 import _frozen_importlib
-import gradpatch.patching.activation as a
-from gradpatch.patching import ledger, scan, watcher
+from gradpatch.patching import import_time as i, ledger, scan, watcher
 seen, examined, patched = [0], [], []
-listener, on_import = watcher._listener, a._on_import
+listener, on_import = watcher._listener, i.on_import
 def counted(module, late):
     seen[0] += 1
     listener(module, late)
@@ -85,9 +84,9 @@ def timed_on_import(module, **kw):
     t = time.thread_time(); found = on_import(module, **kw)
     (patched if target else examined).append(time.thread_time() - t)
     return found
-watcher._listener, a._on_import = counted, timed_on_import
+watcher._listener, i.on_import = counted, timed_on_import
 t = time.thread_time(); import diffusers, audioldm; total = time.thread_time() - t
-watcher._listener, a._on_import = listener, on_import
+watcher._listener, i.on_import = listener, on_import
 def best(function, number):
     return min(timeit.repeat(function, number=number, repeat=9, timer=time.thread_time)) / number
 index = ledger._index()
@@ -113,7 +112,7 @@ again_bare = best(lambda: [__import__("json") for _ in range(100)], 100) / 100
 watcher.start(listener)
 again_watched = best(lambda: [__import__("json") for _ in range(100)], 100) / 100
 with ledger._lock:
-    sweep = best(a._sweep, 10)
+    sweep = best(i.sweep, 10)
 print(json.dumps([total * 1e3, seen[0], per_listen * 1e6, (watched - bare) * 1e6, len(examined), sum(examined) * 1e3,
                   (again_watched - again_bare) * 1e9, sweep * 1e3, len(sys.modules), len(patched), sum(patched) * 1e3]))
 """

@@ -14,7 +14,8 @@ from typing import Any
 import torch
 
 from gradpatch.doctor.watch import watching
-from gradpatch.doctor.diagnosis import checkpoint_plan_text, explain_grads, healthy_line
+from gradpatch.doctor.diagnosis import checkpoint_plan_text, explain_grads
+from gradpatch.doctor.findings import healthy_line
 
 
 def run_script(path: str, argv: list[str]) -> None:

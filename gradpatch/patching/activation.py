@@ -1,25 +1,26 @@
 """apply, revert, applied, report: choosing patches and putting them in place, at import time.
 
-While any patch is wanted, :mod:`~gradpatch.patching.watcher` calls one listener, :func:`_body_ran`,
-after every execution of a module body (first import, re-import, reload, a lazy module's first use;
-any finder, any loader), in the executing thread, before the importer binds names from the module. It
-applies the wanted patches whose target is that module; for any other module holding a family
-member's name it asks :mod:`~gradpatch.patching.scan` for copies of a selected family and adopts
-them: they join the known patches, so a reload patches them again and every later selection of their
-family selects them. When revert() leaves nothing wanted, the watcher stops and the import system is
-exactly as it was. The state (what is known, wanted, installed, recorded) and applying one patch live
-in :mod:`~gradpatch.patching.ledger` (its one :class:`~gradpatch.patching.ledger.Ledger`, asked through
+While any patch is wanted, :mod:`~gradpatch.patching.watcher` calls one listener,
+:func:`~gradpatch.patching.import_time.body_ran`, after every execution of a module body (first
+import, re-import, reload, a lazy module's first use; any finder, any loader), in the executing
+thread, before the importer binds names from the module. It applies the wanted patches whose target
+is that module; for any other module holding a family member's name it asks
+:mod:`~gradpatch.patching.scan` for copies of a selected family and adopts them: they join the known
+patches, so a reload patches them again and every later selection of their family selects them. When
+revert() leaves nothing wanted, the watcher stops and the import system is exactly as it was. The
+state (what is known, wanted, installed, recorded) and applying one patch live in
+:mod:`~gradpatch.patching.ledger` (its one :class:`~gradpatch.patching.ledger.Ledger`, asked through
 its methods, under its lock).
 
 Layers, lowest first, each importing only those below it: :mod:`~gradpatch.patching.watcher`
 (imports nothing of gradpatch), :mod:`~gradpatch.patching.hooks` (install, rebind),
-:mod:`~gradpatch.patching.scan` (recognise copies), :mod:`~gradpatch.patching.ledger`, this module.
+:mod:`~gradpatch.patching.scan` (recognise copies), :mod:`~gradpatch.patching.ledger`,
+:mod:`~gradpatch.patching.import_time` (the listener, starting one patch), this module.
 """
 from __future__ import annotations
 
 import contextlib
 import sys
-from types import ModuleType
 from typing import Iterable, Iterator
 
 from gradpatch import environment, settings
@@ -28,114 +29,8 @@ from gradpatch.patching import watcher
 from gradpatch.patching import scan as scanning
 from gradpatch.patching import adoption, scripts
 from gradpatch.patching.ledger import LEDGER, known_patches, select
+from gradpatch.patching import import_time
 from gradpatch.patching.patch import Patch, Record, Report, Status
-
-
-def _body_ran(module: ModuleType, late: bool) -> None:
-    """The watcher's listener: ``module``'s body has run. Cheap for the modules gradpatch has no
-    business with (a dict lookup and a key test, no lock); never breaks the import (unless strict).
-    A running script that has changed a family member's name since is examined too when an
-    ``import`` statement of its own code ran this body (see :mod:`~gradpatch.patching.scripts`): no
-    import ever ends a script's body, and this is a point between two of its statements."""
-    namespace = watcher.namespace(module)
-    name = namespace.get("__name__") if namespace is not None else None
-    if isinstance(name, str) and (name in LEDGER.targets() or scanning.candidate(namespace)):  # type: ignore[arg-type]
-        _patch(module, name, late)
-    if scanning.enabled:
-        for script in scanning.scripts(changed=True):
-            if scripts.between_statements(script):
-                scanning.examined(script)
-                _patch(script, script.__name__, True)
-
-
-def _patch(module: ModuleType, name: str, late: bool) -> None:
-    try:
-        _on_import(module, late=late)
-    except Exception as exc:
-        if settings.strict:
-            raise
-        complain(PatchFailedWarning, f"gradpatch: error while patching {name}: {exc!r}")
-
-
-def _on_import(module: ModuleType, *, late: bool = False) -> list[Record]:
-    """Apply every wanted patch that targets ``module``, whose body has just run; for a module no
-    patch targets, adopt the copies of selected families the scan finds in it. The lock is taken only
-    to patch: looking for a copy (most modules holding a member's name hold none, such as
-    ``torch.utils.checkpoint``) never waits for a thread that holds it while importing."""
-    name = module.__name__
-    if name.partition(".")[0] == "gradpatch":
-        return []
-    if name in LEDGER.targets():
-        with LEDGER.locked():
-            for patch in LEDGER.targets().get(name, ()):
-                LEDGER.apply_now(patch, module, late=late)
-        return []
-    namespace = watcher.namespace(module)
-    if namespace is None or not scanning.candidate(namespace):
-        return []
-    selected = [family for family in scanning.families() if LEDGER.family_wanted(family.fixes())]
-    found = scanning.copies(module, namespace, selected) if selected else []
-    records: list[Record] = []
-    if found:
-        with LEDGER.locked():
-            for family, patches in found:
-                if LEDGER.family_wanted(family.fixes()):  # still: a revert may have run meanwhile
-                    records += _adopt(patches, module, late=late, fixes=family.fixes())
-    return records
-
-
-def _adopt(patches: Iterable[Patch], module: ModuleType, *, late: bool, fixes: frozenset[str]) -> list[Record]:
-    """Apply ``patches`` that :mod:`gradpatch.patching.scan` built for a family copy found in ``module``. They
-    join this process's catalogue, so report(), revert(), a reload and every later selection of the
-    family treat them as declared patches. Lock held."""
-    patches = list(patches)
-    new = LEDGER.adopt(patches, fixes)  # all of them first: one warning names every patch on the module
-    for patch in new:
-        LEDGER.apply_now(patch, module, late=late)
-    return LEDGER.records(p.name for p in patches)
-
-
-def _sweep() -> list[Record]:
-    """Adopt the copies in modules imported before the scan was on (or by a loader the watcher
-    cannot see); a module still being imported is examined when its body finishes. Lock held."""
-    records: list[Record] = []
-    index = LEDGER.targets()
-    for module in list(sys.modules.values()):
-        namespace = watcher.namespace(module)
-        if namespace is None or not scanning.candidate(namespace) or watcher.unloaded(module):
-            continue  # nothing to find, or a lazy module not loaded yet: examined when it loads
-        name = namespace.get("__name__")
-        if not isinstance(name, str) or name in index:
-            continue
-        if watcher.running(module):
-            watcher.defer(module)
-            continue
-        try:
-            records += _on_import(module, late=True)  # type: ignore[arg-type]
-        except Exception as exc:
-            if settings.strict:
-                raise
-            complain(PatchFailedWarning, f"gradpatch: error while scanning {name}: {exc!r}")
-    return records
-
-
-def _start(patch: Patch) -> None:
-    """Make ``patch`` wanted: apply it now, or when its module's body has run. Lock held."""
-    LEDGER.want(patch)
-    module = sys.modules.get(patch.module)
-    if module is None:
-        LEDGER.record(patch, Status.DEFERRED, f"waiting for {patch.module} to be imported")
-    elif watcher.unloaded(module):
-        LEDGER.record(patch, Status.DEFERRED, f"waiting for {patch.module}, imported lazily, to load on first use")
-    elif watcher.running(module):
-        # Its body is running right now (in another thread, or further up this thread's stack).
-        LEDGER.record(patch, Status.DEFERRED, f"waiting for the import of {patch.module} in progress to finish")
-        if not watcher.defer(module):
-            complain(PatchFailedWarning, f"gradpatch: {patch.module} is being imported and its import "
-                     f"cannot be watched, so {patch.name!r} is applied only if it is imported again; call "
-                     "gradpatch.apply() again once that import has finished")
-    else:
-        LEDGER.apply_now(patch, module, late=True)
 
 
 def apply(*names: str | Iterable[str], exclude: str | Iterable[str] | None = None, strict: bool | None = None,
@@ -189,17 +84,17 @@ def _apply(names: tuple, exclude: object, env: environment.Environment, scan: bo
         if scan_on:
             scanning.families()
         if selected:
-            watcher.start(_body_ran)
+            watcher.start(import_time.body_ran)
             if scan_on:
                 scripts.watch_exit()
         for patch in selected:
             if not LEDGER.is_wanted(patch.name) or LEDGER.unseen(patch):
-                _start(patch)
+                import_time.start(patch)
         # Copies the scan adopted earlier are part of every selection of their family.
         again = LEDGER.copies_to_restart() if scan_on else []
         for patch in again:
-            _start(patch)
-        found = _sweep() if scan_on and selected else []
+            import_time.start(patch)
+        found = import_time.sweep() if scan_on and selected else []
         adopted, problems = adoption.from_environment(known_patches(), scanning.families())
         for problem in problems:
             complain(ConfigWarning, problem, once=True)
@@ -218,8 +113,8 @@ def request(patch: Patch) -> Record:
             revert(patch.name)
         LEDGER.add_requested(patch)
         if not LEDGER.is_wanted(patch.name):
-            watcher.start(_body_ran)
-            _start(patch)
+            watcher.start(import_time.body_ran)
+            import_time.start(patch)
         return LEDGER.record_of(patch.name)  # type: ignore[return-value]
 
 

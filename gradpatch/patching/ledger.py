@@ -23,6 +23,7 @@ from gradpatch.patching import adoption, selection, watcher
 from gradpatch.patching.catalogue import Catalogue
 from gradpatch.patching.hooks import MISSING, Installed, forget, install, locate, resolve, uninstall
 from gradpatch.patching.patch import Patch, Record, Status
+from gradpatch.patching.unknown_code import is_fingerprint, left_alone_message
 from gradpatch.patching.versions import installed_version
 
 
@@ -196,7 +197,7 @@ class Ledger:
                             version=version)
                 return
             if identity.verdict == "unknown":
-                what = f"fingerprint {identity.label}" if _is_fingerprint(identity.label) else identity.label
+                what = f"fingerprint {identity.label}" if is_fingerprint(identity.label) else identity.label
                 self.record(patch, Status.SKIPPED, f"unknown code ({what})", variant=identity.label, version=version)
                 unknown = identity.label
             elif identity.verdict == "unreadable":
@@ -228,21 +229,9 @@ class Ledger:
         records = self._records
         if any(n != patch.name and n in records and records[n].reason.startswith(said) for n in names):
             return
-        if unknown is not None and _is_fingerprint(unknown):
-            left = [self.known()[n] for n in names]
-            complain(UnknownCodeWarning, f"gradpatch: {patch.module} does not match any known version "
-                     f"(fingerprint {unknown}), so gradpatch left it alone ({', '.join(names)}). "
-                     + adoption.advice(left, self.known(), self._adopted) + ".")
-        elif unknown is not None:  # no fingerprint to add: say what was found instead
-            wrapped = "not the module's own definition" in unknown
-            complain(UnknownCodeWarning, f"gradpatch: {patch.module} was left alone ({', '.join(names)}): "
-                     f"{unknown}. gradpatch replaces only code it recognises" + (
-                         "; to have it patched, remove the wrapper (an import hook that wraps every "
-                         "function, such as jaxtyping's install_import_hook, can be told to leave this "
-                         "module out)" if wrapped else ""))
-        else:
-            complain(UnknownCodeWarning, f"gradpatch: cannot recognise {patch.module}, so gradpatch left "
-                     f"it alone ({', '.join(names)}): {unreadable}.")
+        left = [self.known()[n] for n in names]
+        complain(UnknownCodeWarning, left_alone_message(patch.module, left, unknown, unreadable,
+                                                        self.known(), self._adopted))
 
     def adopted_instead(self, patch: Patch) -> str | None:
         """The wanted adopted patch on ``patch``'s target, if ``patch`` is not that one. Lock held."""
@@ -284,10 +273,6 @@ def _in_place(installed: Installed, module: ModuleType, qualname: str) -> bool:
         return locate(module, qualname)[2] is installed.replacement
     except (AttributeError, LookupError):
         return False
-
-
-def _is_fingerprint(label: str) -> bool:
-    return len(label) == 16 and all(c in "0123456789abcdef" for c in label)
 
 
 #: The live patch state of this process.

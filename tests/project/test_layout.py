@@ -1,5 +1,6 @@
 """The package's layout rules, checked on the source: no module imports or reads another module's
-``_private`` name, and the patching package imports without a cycle."""
+``_private`` name, none is over :data:`MAX_LINES` lines, and the patching package imports without a
+cycle."""
 from __future__ import annotations
 
 import ast
@@ -15,6 +16,8 @@ OURS = ("gradpatch", "patches")
 NAMEDTUPLE = {"_replace", "_fields", "_asdict", "_make", "_field_defaults"}
 #: Files outside the patching engine that still break the rule, to be emptied as they are fixed.
 KNOWN_ELSEWHERE: set[str] = set()
+#: The most lines a module under gradpatch/ or patches/ may have.
+MAX_LINES = 300
 
 
 def _private(name: str) -> bool:
@@ -80,6 +83,13 @@ def test_no_module_reads_another_modules_private_names():
     assert not broken, broken
 
 
+def test_no_module_is_over_the_line_limit():
+    lines = {path.relative_to(ROOT).as_posix(): len(path.read_text(encoding="utf-8").splitlines())
+             for path in _sources()}
+    over = {path: count for path, count in lines.items() if count > MAX_LINES}
+    assert not over, f"modules over {MAX_LINES} lines (split out a cohesive piece): {over}"
+
+
 def test_the_check_sees_each_form(tmp_path, monkeypatch):
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
     (tmp_path / "gradpatch").mkdir()
@@ -98,7 +108,8 @@ def test_the_check_sees_each_form(tmp_path, monkeypatch):
 def test_the_patching_engine_imports_without_a_cycle():
     for module in ("gradpatch.patching.activation", "gradpatch.patching.ledger", "gradpatch.patching.scan",
                    "gradpatch.patching.scripts", "gradpatch.doctor.diagnosis", "gradpatch.cli",
-                   "gradpatch.patching.patch"):
+                   "gradpatch.patching.patch", "gradpatch.patching.import_time", "gradpatch.patching.unknown_code",
+                   "gradpatch.doctor.findings", "gradpatch.cli_list"):
         done = subprocess.run([sys.executable, "-c", f"import {module}"], cwd=ROOT, capture_output=True, text=True,
                               env={"PYTHONPATH": str(ROOT), "PATH": ""}, timeout=120)
         assert done.returncode == 0, (module, done.stderr)
