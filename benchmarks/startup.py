@@ -80,7 +80,7 @@ def counted(module, late):
     seen[0] += 1
     listener(module, late)
 def timed_on_import(module, **kw):
-    target = module.__name__ in ledger._index()
+    target = module.__name__ in ledger.LEDGER.targets()
     t = time.thread_time(); found = on_import(module, **kw)
     (patched if target else examined).append(time.thread_time() - t)
     return found
@@ -89,7 +89,7 @@ t = time.thread_time(); import diffusers, audioldm; total = time.thread_time() -
 watcher._listener, i.on_import = listener, on_import
 def best(function, number):
     return min(timeit.repeat(function, number=number, repeat=9, timer=time.thread_time)) / number
-index = ledger._index()
+index = ledger.LEDGER.targets()
 plain = [m for m in list(sys.modules.values()) if type(m) is types.ModuleType
          and m.__name__ not in index and not scan.candidate(m.__dict__)]
 per_listen = best(lambda: [listener(m, False) for m in plain], 10) / len(plain)
@@ -111,7 +111,7 @@ bare = best(lambda: [flag() for _ in range(100)], 100) / 100 + best(calls(noop),
 again_bare = best(lambda: [__import__("json") for _ in range(100)], 100) / 100
 watcher.start(listener)
 again_watched = best(lambda: [__import__("json") for _ in range(100)], 100) / 100
-with ledger._lock:
+with ledger.LEDGER.locked():
     sweep = best(i.sweep, 10)
 print(json.dumps([total * 1e3, seen[0], per_listen * 1e6, (watched - bare) * 1e6, len(examined), sum(examined) * 1e3,
                   (again_watched - again_bare) * 1e9, sweep * 1e3, len(sys.modules), len(patched), sum(patched) * 1e3]))

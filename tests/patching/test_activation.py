@@ -218,7 +218,7 @@ def test_a_bad_value_never_stops_start_up_activation(fake_upstream, env):
 
 
 def test_cli_list_and_status_without_torch():
-    listing = subprocess.run([sys.executable, "-m", "gradpatch", "list"], capture_output=True, text=True)
+    listing = subprocess.run([sys.executable, "-m", "gradpatch", "list", "--all"], capture_output=True, text=True)
     assert listing.returncode == 0 and "audioldm.checkpoint" in listing.stdout
     status = subprocess.run([sys.executable, "-X", "importtime", "-m", "gradpatch", "status", "--json"],
                             capture_output=True, text=True)
