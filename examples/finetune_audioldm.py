@@ -48,6 +48,8 @@ def main() -> None:
     print("\n2. the same step under gradpatch:")
     report = gradpatch.apply("audioldm")
     print("   " + str(report).replace("\n", "\n   "))
+    fix = next(record for record in report if record.patch == "audioldm.checkpoint")  # the one this step needs
+    print(f"   {fix.patch}: {fix.status} ({fix.reason})")
     denoising_loss(model, batch).backward()
     fixed = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
