@@ -136,7 +136,7 @@ def main() -> None:
     import gradpatch
     import gradpatch.patching.catalogue
 
-    roots = {Path(gradpatch.__file__).parent, Path(gradpatch.patching.catalogue._builtin_package().__file__).parent}
+    roots = {Path(gradpatch.__file__).parent, Path(gradpatch.patching.catalogue.builtin_package().__file__).parent}
     subprocess.run([sys.executable, "-m", "compileall", "-q", *map(str, roots)], check=True,
                    env={k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"})
 
