@@ -239,7 +239,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     run.add_argument("--patches", action="append", metavar="NAME", help="patch or upstream name (repeatable; default: all)")
     run.add_argument("--exclude", action="append", metavar="NAME", help="leave this patch or upstream out (repeatable)")
     run.add_argument("--checkpoint", type=_policy, metavar="POLICY",
-                     help="checkpoint policy: respect, always, never or budget:<size> (budget:2GiB)")
+                     help="checkpoint policy: respect, always, never, budget:<size> (budget:2GiB) or peak:<size> (peak:6GiB)")
     run.add_argument("--strict", action="store_true", help="raise instead of warning")
     run.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD [ARGS...]")
     run.set_defaults(handler=_run)

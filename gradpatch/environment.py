@@ -6,7 +6,7 @@
                          nothing (``,``) is reported and leaves gradpatch off.
 ``GRADPATCH_EXCLUDE``    comma-separated names to leave out.
 ``GRADPATCH_STRICT``     ``1``: raise instead of warning.
-``GRADPATCH_CHECKPOINT`` ``respect`` (default), ``always``, ``never`` or ``budget:<size>`` (``budget:2GiB``).
+``GRADPATCH_CHECKPOINT`` ``respect`` (default), ``always``, ``never``, ``budget:<size>`` (``budget:2GiB``) or ``peak:<size>`` (``peak:6GiB``).
 ``GRADPATCH_LOG``        a :mod:`logging` level name or number for the ``gradpatch`` logger.
 ``GRADPATCH_SCAN``       ``0`` (or another off value): do not look for copies of known-broken code at
                          undeclared paths (:mod:`gradpatch.patching.scan`); on by default.
@@ -71,9 +71,9 @@ def read() -> Environment:
         try:
             checkpoint = settings.check_policy(checkpoint)
         except ValueError as error:
-            reason = str(error).partition(": ")[2] if checkpoint.startswith("budget:") else ""
+            reason = str(error).partition(": ")[2] if checkpoint.startswith(("budget:", "peak:")) else ""
             problems.append(f"gradpatch: GRADPATCH_CHECKPOINT={checkpoint!r} is not one of "
-                            f"{', '.join(settings.CHECKPOINT_POLICIES)} or budget:<size>"
+                            f"{', '.join(settings.CHECKPOINT_POLICIES)}, budget:<size> or peak:<size>"
                             f"{'; ' + reason if reason else ''}; using 'respect'")
             checkpoint = None
     strict = _flag("GRADPATCH_STRICT", problems)

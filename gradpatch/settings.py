@@ -23,7 +23,10 @@ CHECKPOINT_POLICIES = ("respect", "always", "never")
 #: caller passed ``flag=False``, ``"never"`` runs ``func`` directly (faster, more memory).
 #: ``"budget:<size>"`` (``"budget:512MiB"``) keeps, among the blocks the caller asks to recompute,
 #: those that save the most time while keeping at most ``<size>`` bytes more activations than
-#: recomputing all of them (:mod:`gradpatch.checkpointing.budget`).
+#: recomputing all of them (:mod:`gradpatch.checkpointing.budget`). ``"peak:<size>"`` (``"peak:6GiB"``)
+#: keeps the training step's peak memory, from its first checkpointed block on, at or under ``<size>``,
+#: choosing per block to keep, recompute or keep only its expensive ops' outputs
+#: (:mod:`gradpatch.checkpointing.budget.peak`).
 checkpoint_policy = "respect"
 
 #: Raise :class:`gradpatch.GradpatchError` instead of warning (``apply(strict=True)``,
@@ -71,7 +74,7 @@ def _set_process_wide(name: str, value: Any) -> Any:
 
 
 def check_policy(policy: str) -> str:
-    """``policy`` as stored (``"respect"``, ``"always"``, ``"never"`` or ``"budget:<size>"``, stripped);
+    """``policy`` as stored (``"respect"``, ``"always"``, ``"never"``, ``"budget:<size>"`` or ``"peak:<size>"``, stripped);
     ``ValueError`` saying what is accepted for anything else."""
     if policy in CHECKPOINT_POLICIES:
         return policy
@@ -92,8 +95,16 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
 _SIZE = re.compile(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*", re.IGNORECASE)
 
 
+PEAK_PREFIX = "peak:"
+PEAK_EXAMPLE = "peak:6GiB"
+
+
 def is_budget(policy: str) -> bool:
     return policy[:len(PREFIX)].lower() == PREFIX
+
+
+def is_peak(policy: str) -> bool:
+    return policy[:len(PEAK_PREFIX)].lower() == PEAK_PREFIX
 
 
 @functools.lru_cache(maxsize=64)
@@ -116,21 +127,27 @@ def budget_bytes(policy: str) -> int:
     return parse_size(policy[len(PREFIX):])
 
 
+def peak_bytes(policy: str) -> int:
+    """The size in a ``peak:<size>`` policy."""
+    return parse_size(policy[len(PEAK_PREFIX):])
+
+
 def _check_budget(policy: object, choices: tuple[str, ...]) -> str:
-    """``policy``, stripped, if it is one of ``choices`` or a valid ``budget:<size>``; otherwise
-    ``ValueError`` saying what is accepted."""
+    """``policy``, stripped, if it is one of ``choices`` or a valid ``budget:<size>`` or
+    ``peak:<size>``; otherwise ``ValueError`` saying what is accepted."""
     if isinstance(policy, str):
         text = policy.strip()
         if text in choices:
             return text
-        if is_budget(text):
-            try:
-                budget_bytes(text)
-            except ValueError as error:
-                raise ValueError(f"checkpoint policy {policy!r}: {error}") from None
-            return PREFIX + text[len(PREFIX):].strip()
-    raise ValueError(f"unknown checkpoint policy {policy!r}; use one of {', '.join(choices)} "
-                     f"or budget:<size> ({EXAMPLE})")
+        for prefix, test in ((PREFIX, is_budget), (PEAK_PREFIX, is_peak)):
+            if test(text):
+                try:
+                    parse_size(text[len(prefix):])
+                except ValueError as error:
+                    raise ValueError(f"checkpoint policy {policy!r}: {error}") from None
+                return prefix + text[len(prefix):].strip()
+    raise ValueError(f"unknown checkpoint policy {policy!r}; use one of {', '.join(choices)}, "
+                     f"budget:<size> ({EXAMPLE}) or peak:<size> ({PEAK_EXAMPLE})")
 
 
 def set_checkpoint_policy(policy: str, *, by_apply: bool = False) -> str:

@@ -81,7 +81,7 @@ def checkpoint(func: Callable[..., Any], inputs: Sequence[Any], params: Iterable
             modules that are not children) get theirs too and frozen ones get none.
         flag: the caller's wish to recompute. ``settings.checkpoint_policy``, read at each call,
             decides: ``"respect"`` recomputes iff ``flag``, ``"always"`` always, ``"never"`` never,
-            ``"budget:<size>"`` where ``flag`` and the plan of
+            ``"budget:<size>"`` and ``"peak:<size>"`` where ``flag`` and the plan of
             :mod:`gradpatch.checkpointing.budget` say so.
 
     Returns:
@@ -97,7 +97,7 @@ def checkpoint(func: Callable[..., Any], inputs: Sequence[Any], params: Iterable
     if mode == "never" or not (flag or mode == "always") or not torch.is_grad_enabled() \
             or functorch_active():
         return func(*inputs)
-    if mode[0] == "b":  # "budget:<size>"
+    if mode[0] in "bp":  # "budget:<size>", "peak:<size>"
         from gradpatch.checkpointing.budget import policy
 
         return policy.run(func, tuple(inputs), None, mode)
@@ -122,7 +122,7 @@ def mixed_checkpoint(func: Callable[..., Any], inputs: Mapping[str, Any],
     if mode == "never" or not (flag or mode == "always") or not torch.is_grad_enabled() \
             or functorch_active():
         return func(**inputs)
-    if mode[0] == "b":  # "budget:<size>"
+    if mode[0] in "bp":  # "budget:<size>", "peak:<size>"
         from gradpatch.checkpointing.budget import policy
 
         return policy.run(func, (), dict(inputs), mode)

@@ -43,7 +43,7 @@ def apply(*names: str | Iterable[str], exclude: str | Iterable[str] | None = Non
     ``GRADPATCH_EXCLUDE``). ``strict=True`` raises :class:`~gradpatch.GradpatchError` where gradpatch
     would otherwise warn (default: ``GRADPATCH_STRICT``), also for the values of the ``GRADPATCH*``
     variables. ``checkpoint`` sets the process-wide checkpoint policy, ``"respect"``, ``"always"``,
-    ``"never"`` or ``"budget:<size>"`` (default: ``GRADPATCH_CHECKPOINT``). Explicit arguments beat
+    ``"never"``, ``"budget:<size>"`` or ``"peak:<size>"`` (default: ``GRADPATCH_CHECKPOINT``). Explicit arguments beat
     environment variables, which beat defaults. Strictness and policy are process-wide; if ``apply`` raises, strictness is
     put back as it was. ``scan`` finds copies of a selected family's code at any other path (see
     :mod:`gradpatch.patching.scan`; default: ``GRADPATCH_SCAN``, on).

@@ -140,7 +140,7 @@ class Planner:
                 return
             plan = self.plans.get(size)
             if plan is None:
-                items, shared = _items(blocks)
+                items, shared = items_of(blocks)
                 keep = knapsack.choose_shared(items, shared, size)
                 added = knapsack.kept_bytes(items, shared, keep)
                 alone = [sum(knapsack.kept_bytes(items, shared, [j == i for j in range(len(blocks))]))
@@ -154,7 +154,7 @@ class Planner:
             self.solved_for = self.kept_for = size
 
 
-def _items(blocks: list[Block]) -> tuple[list[knapsack.Item], list[knapsack.Shared]]:
+def items_of(blocks: list[Block]) -> tuple[list[knapsack.Item], list[knapsack.Shared]]:
     """The knapsack's items (opaque blocks: no bytes known, nothing saved) and shared storages."""
     index = {id(b): i for i, b in enumerate(blocks)}
     items = [knapsack.Item(1 if b.opaque else b.step_bytes or 0, b.seconds) for b in blocks]

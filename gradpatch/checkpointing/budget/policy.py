@@ -8,7 +8,7 @@ import torch
 
 from gradpatch import settings
 from gradpatch.checkpointing import paths
-from gradpatch.checkpointing.budget import compiled, measure
+from gradpatch.checkpointing.budget import compiled, measure, peak
 from gradpatch.checkpointing.budget.key import signature, size_of, state
 from gradpatch.checkpointing.budget.planner import PLANNER, TIMING_CALLS
 from gradpatch.checkpointing.budget.report import Plan, PlanEntry
@@ -21,7 +21,10 @@ compiled.watch()  # compiled regions are not planned: warn once when one is comp
 
 def run(func: Callable[..., Any], args: tuple, kwargs: dict | None, policy: str) -> Any:
     """``checkpoint``'s work under ``policy = "budget:<size>"``, called with ``flag=True`` in grad
-    mode: ``func`` runs directly if the plan keeps it, checkpointed (and measured) otherwise."""
+    mode: ``func`` runs directly if the plan keeps it, checkpointed (and measured) otherwise.
+    ``"peak:<size>"`` goes to :func:`gradpatch.checkpointing.budget.peak.run`."""
+    if policy[0] == "p":
+        return peak.run(func, args, kwargs, policy)
     owner = getattr(func, "__self__", None)
     function = getattr(func, "__func__", None)
     if not isinstance(owner, torch.nn.Module) or function is None or is_compiling():
@@ -50,8 +53,11 @@ def checkpoint_plan(model: torch.nn.Module | None = None) -> Plan:
     figures (estimates from the measured calls) and whether it is recomputed. With ``model``, only
     that model's blocks, named by their path in it (``output_blocks.5.1.transformer_blocks.0``).
     """
-    if settings.is_budget(settings.checkpoint_policy):  # measured since the last call: plan now
-        PLANNER.solve(settings.budget_bytes(settings.checkpoint_policy))
+    policy = settings.checkpoint_policy
+    if settings.is_budget(policy):  # measured since the last call: plan now
+        PLANNER.solve(settings.budget_bytes(policy))
+    if settings.is_peak(policy):
+        return peak.report(model, policy)
     paths_in = {id(m): p for p, m in model.named_modules()} if model is not None else None
     entries = []
     for owner, block in PLANNER.live():  # the current blocks
@@ -71,3 +77,4 @@ def checkpoint_plan(model: torch.nn.Module | None = None) -> Plan:
 def reset() -> None:
     """Forget every measurement and plan: the next steps measure again."""
     PLANNER.reset()
+    peak.PEAK.reset()

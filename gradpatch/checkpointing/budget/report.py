@@ -21,6 +21,7 @@ class PlanEntry(NamedTuple):
     recomputed: bool
     measured: bool = True
     why: str | None = None
+    choice: str | None = None
 
 
 class Plan(tuple):  # type: ignore[type-arg]
@@ -28,6 +29,12 @@ class Plan(tuple):  # type: ignore[type-arg]
 
     policy: str
     budget: int | None
+    #: Under ``peak:<size>``, once the step is recorded: the predicted peak of this plan, the smallest
+    #: peak reachable (every block recomputed) and the peak with every block kept, in bytes above
+    #: what was allocated when the first checkpointed block began; otherwise None.
+    predicted_peak: int | None = None
+    smallest_peak: int | None = None
+    largest_peak: int | None = None
 
     @property
     def kept_bytes(self) -> int:
@@ -48,12 +55,28 @@ class Plan(tuple):  # type: ignore[type-arg]
         if not self:
             return f"{head}: no checkpointed block has run yet"
         kept = sum(not e.recomputed for e in self)
+        if self.policy.startswith("peak:"):
+            return self._peak_summary(head)
         if not self.complete:
             return (f"{head}: measuring ({sum(e.measured for e in self)} of "
                     f"{len(self)} blocks measured); every block is recomputed meanwhile")
         return (f"{head}: {kept} of {len(self)} blocks kept, {_mib(self.kept_bytes)} of "
                 f"{_mib(self.budget or 0)}, saving about {self.saved_seconds * 1e3:.1f} ms a step"
                 f"{self._unplanned()}")
+
+    def _peak_summary(self, head: str) -> str:
+        if self.smallest_peak is None:
+            return (f"{head}: measuring ({sum(e.measured for e in self)} of {len(self)} blocks measured, "
+                    f"then one step recorded); every block is recomputed meanwhile")
+        span = (f"smallest reachable {_mib(self.smallest_peak)}, every block kept "
+                f"{_mib(self.largest_peak or 0)}")
+        if self.predicted_peak is None:
+            return f"{head}: no plan fits ({span})"
+        count = {c: sum(e.choice == c for e in self) for c in ("keep", "selective")}
+        saved = sum(e.recompute_seconds or 0.0 for e in self if e.choice in ("keep", "selective"))
+        return (f"{head}: predicted peak {_mib(self.predicted_peak)} of {_mib(self.budget or 0)} ({span}); "
+                f"{count['keep']} of {len(self)} blocks kept, {count['selective']} selective, saving about "
+                f"{saved * 1e3:.1f} ms a step{self._unplanned()}")
 
     def _unplanned(self) -> str:
         """Why blocks are not planned: ``""`` if all are."""
@@ -72,7 +95,8 @@ class Plan(tuple):  # type: ignore[type-arg]
             size = "?" if e.bytes is None else _mib(e.bytes)
             time_ = "?" if e.recompute_seconds is None else f"{e.recompute_seconds * 1e3:.2f}ms"
             rows.append(f"{e.name:{width}} {size:>12} {time_:>10}  "
-                        f"{'keep' if not e.recomputed else 'recompute (not planned)' if e.why else 'recompute'}")
+                        f"{e.choice or ('keep' if not e.recomputed else 'recompute')}"
+                        f"{' (not planned)' if e.why else ''}")
         return "\n".join([self.summary(), *rows])
 
     def __repr__(self) -> str:

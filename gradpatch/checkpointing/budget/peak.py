@@ -1,0 +1,265 @@
+"""The ``peak:<size>`` checkpoint policy: the training step's peak memory, from its first checkpointed
+block's call to the end of its backward, stays at or under ``<size>``, with as little recompute as that
+allows.
+
+It shares the ``budget:<size>`` policy's blocks and their measurement
+(:mod:`gradpatch.checkpointing.budget`): during the first :data:`TIMING_CALLS` steps every block is
+recomputed and measured (the bytes keeping it keeps, the seconds recomputing it costs). The next step
+is recorded, still with every block recomputed (:mod:`gradpatch.checkpointing.budget.timeline`): the
+most bytes alive between each two block events, and per block what keeping only its expensive ops'
+outputs keeps and saves. From these the plan (:mod:`gradpatch.checkpointing.budget.peak_choice`)
+chooses per block:
+
+* **keep**: run directly, as under ``never`` (up to the input sizes measured);
+* **selective**: torch's non-reentrant checkpoint with a selective-checkpoint policy keeping the
+  outputs of matmuls, convolutions and attention
+  (:func:`torch.utils.checkpoint.create_selective_checkpoint_contexts`; torch 2.4 and later) and
+  recomputing the cheap elementwise work between them;
+* **recompute**: the fixed checkpoint, as under ``respect``.
+
+A kept block's activations are alive from its forward to its backward, where a recomputed block holds
+the same activations again: keeping the last blocks of the forward costs little or no peak, keeping
+the first ones costs it through the whole backward. The plan takes this into account, which a bound
+on the kept bytes (``budget:``) cannot. :func:`gradpatch.checkpoint_plan` reports each block's choice,
+the predicted peak, the smallest peak reachable (every block recomputed) and the peak with every block
+kept. When even recomputing every block peaks above ``<size>``, the next checkpointed call raises
+:class:`PeakUnreachable` saying the smallest peak reachable. New blocks (new shapes) are measured and
+the step recorded again. Offloading to the CPU is not among the choices: use
+``torch.autograd.graph.save_on_cpu`` around the step, which the fixed checkpoint composes with.
+"""
+from __future__ import annotations
+
+import functools
+import threading
+import weakref
+from typing import Any, Callable
+
+import torch
+
+from gradpatch import settings
+from gradpatch.checkpointing import paths
+from gradpatch.checkpointing.budget import knapsack, measure, timeline
+from gradpatch.checkpointing.budget.key import signature, size_of, state
+from gradpatch.checkpointing.budget.peak_choice import KEEP, RECOMPUTE, SELECTIVE, Occurrence, Option, \
+    PeakUnreachable, choose, predict
+from gradpatch.checkpointing.budget.planner import PLANNER, TIMING_CALLS, Block, items_of
+from gradpatch.checkpointing.budget.report import Plan, PlanEntry
+from gradpatch.checkpointing.compat import is_compiling
+
+__all__ = ["PeakUnreachable", "TIMING_CALLS", "run", "PEAK"]
+
+try:
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+except ImportError:  # torch < 2.4: no selective checkpoint; the plan chooses between keep and recompute
+    create_selective_checkpoint_contexts = None  # type: ignore[assignment]
+
+
+class PeakPlan:
+    """The step recorded and the choices made over it (one per process: :data:`PEAK`)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.reset()
+
+    def reset(self) -> None:
+        self.epoch = -1  # the planner's epoch the recording belongs to
+        self.recording: timeline.Recording | None = None  # in progress
+        self.recorded: timeline.Recording | None = None  # ended
+        self.solved_for: int | None = None
+        self.choices: weakref.WeakKeyDictionary[Block, str] = weakref.WeakKeyDictionary()
+        self.predicted = self.floor = self.ceiling = self.size = None  # type: int | None
+        self.unreachable: int | None = None
+        self.realised: int | None = None  # the plan's peak as recorded in its first step
+        self.margin, self.tries = 0, 0  # what recorded plans exceeded the size by, summed; plans tried
+        self.options: weakref.WeakKeyDictionary[Block, list[Option]] = weakref.WeakKeyDictionary()
+
+    def solve(self, size: int) -> None:
+        blocks = [b for _, b in PLANNER.live()]
+        index = {id(b): i for i, b in enumerate(blocks)}
+        items, shared = items_of(blocks)
+        alone = [sum(knapsack.kept_bytes(items, shared, [j == i for j in range(len(blocks))]))
+                 for i in range(len(blocks))] if shared else [it.bytes for it in items]
+        recorded = self.recorded
+        assert recorded is not None
+        occurrences, partial = [], [(0, 0.0)] * len(blocks)
+        for call, (block, start, end) in enumerate(recorded.occurrences()):
+            i = index.get(id(block))
+            if i is None:
+                continue
+            occurrences.append(Occurrence(i, start, end))
+            size_s, seconds_s = recorded.selective.get(call, (0, 0.0))
+            partial[i] = (max(partial[i][0], size_s), partial[i][1] + seconds_s)
+        options: list[list[Option]] = []
+        for i, b in enumerate(blocks):
+            opts = [Option(RECOMPUTE, 0, 0.0)]
+            per_call = alone[i] // max(b.per_step, 1)
+            if not b.opaque and b.measured:
+                if create_selective_checkpoint_contexts is not None and 0 < partial[i][0] < per_call \
+                        and partial[i][1] > 0:
+                    opts.append(Option(SELECTIVE, partial[i][0], min(partial[i][1], b.seconds)))
+                opts.append(Option(KEEP, per_call, b.seconds))
+            options.append(opts)
+        levels = recorded.levels
+        self.floor = max(levels, default=0)
+        self.ceiling = predict(levels, occurrences, [o[-1].bytes for o in options])
+        self.choices = weakref.WeakKeyDictionary()
+        self.realised = None
+        if self.floor > size:
+            self.unreachable, self.predicted, self.solved_for = size, None, size
+            return
+        self.unreachable = None
+        if self.size != size:
+            self.size, self.margin, self.tries = size, 0, 0
+        try:
+            chosen, self.predicted = choose(levels, occurrences, options, size - self.margin)
+        except PeakUnreachable:  # recorded plans ran over: recompute every block
+            chosen, self.predicted = [0] * len(blocks), self.floor
+        self.options = weakref.WeakKeyDictionary(zip(blocks, options))
+        for b, opts, j in zip(blocks, options, chosen):
+            self.choices[b] = opts[j].kind
+        self.solved_for = size
+        measure.prune()
+
+    def check(self, recording: timeline.Recording) -> None:
+        """The plan's first step, recorded: its peak. Over the size (what the model of the step does
+        not see: two blocks' memory interacting), the plan is made again with that much less room
+        and recorded again, up to :data:`TRIES` times; then every block is recomputed."""
+        realised = max(recording.levels, default=0)
+        size = self.solved_for or 0
+        self.tries += 1
+        if realised <= size:
+            self.realised = realised
+            return
+        self.margin += realised - size
+        if self.tries >= TRIES:
+            self.margin = size  # nothing fits: the next solve recomputes every block
+        self.solve(size)
+
+
+#: Plans recorded over their size before every block is recomputed.
+TRIES = 3
+
+#: The process's plan.
+PEAK = PeakPlan()
+
+
+def run(func: Callable[..., Any], args: tuple, kwargs: dict | None, policy: str) -> Any:
+    """``checkpoint``'s work under ``policy = "peak:<size>"``, called with ``flag=True`` in grad mode."""
+    owner = getattr(func, "__self__", None)
+    function = getattr(func, "__func__", None)
+    if not isinstance(owner, torch.nn.Module) or function is None or is_compiling():
+        return paths.run(func, args, kwargs)
+    block = PLANNER.block(owner, (function, state(owner), signature(args, kwargs)))
+    if measure.measuring():
+        measure.consumers(block, args if kwargs is None else (*args, *kwargs.values()))
+    with PEAK.lock:
+        recording = PEAK.recording
+        if recording is not None:
+            if not recording.ended and not (block is _first() and recording.backward):
+                return timeline.run(recording, block, _runner(recording.choices.get(block, RECOMPUTE), block),
+                                    func, args, kwargs)
+            timeline.stop(recording)  # ended, or a new step began before the backward ended
+            PEAK.recording = None
+            if recording.ended and PEAK.epoch == PLANNER.epoch:
+                if recording.choices:
+                    PEAK.check(recording)
+                else:
+                    PEAK.recorded, PEAK.solved_for = recording, None
+        if not block.measured:
+            return measure.measure(block, func, args, kwargs)
+        if PEAK.epoch != PLANNER.epoch:  # new blocks since the recording: measure and record again
+            PEAK.reset()
+            PEAK.epoch = PLANNER.epoch
+        first = block is _first()
+        if PEAK.recorded is None:
+            if first and all(b.measured for _, b in PLANNER.live()):
+                PEAK.recording = timeline.start(_device(args, kwargs), {})
+                return timeline.run(PEAK.recording, block, paths.run, func, args, kwargs)
+            return paths.run(func, args, kwargs)
+        size = settings.peak_bytes(policy)
+        if PEAK.solved_for != size:
+            PEAK.solve(size)
+        if PEAK.unreachable is not None:
+            raise PeakUnreachable(_unreachable(policy, size, PEAK.floor or 0))
+        choice = PEAK.choices.get(block, RECOMPUTE)
+        if first and PEAK.realised is None and any(c != RECOMPUTE for c in PEAK.choices.values()):
+            # The plan's first step is recorded too: its peak measured, not only predicted.
+            PEAK.recording = timeline.start(_device(args, kwargs), dict(PEAK.choices))
+            return timeline.run(PEAK.recording, block, _runner(choice, block), func, args, kwargs)
+    return _runner(choice, block)(func, args, kwargs)
+
+
+def _runner(choice: str, block: Block) -> Callable[[Callable[..., Any], tuple, dict | None], Any]:
+    """How a block runs under its choice: ``runner(func, args, kwargs)``."""
+    if choice == KEEP:
+        def keep(func: Callable[..., Any], args: tuple, kwargs: dict | None) -> Any:
+            if size_of(args, kwargs) <= block.largest:
+                return func(*args, **(kwargs or {}))
+            return paths.run(func, args, kwargs)  # larger than measured: it may keep more
+        return keep
+    if choice == SELECTIVE:
+        return _selective
+    return paths.run
+
+
+def report(model: torch.nn.Module | None, policy: str) -> Plan:
+    """:func:`gradpatch.checkpoint_plan` under ``peak:<size>``."""
+    with PEAK.lock:
+        if PEAK.recorded is not None and PEAK.epoch == PLANNER.epoch \
+                and PEAK.solved_for != settings.peak_bytes(policy):
+            PEAK.solve(settings.peak_bytes(policy))
+        planned = PEAK.recorded is not None and PEAK.epoch == PLANNER.epoch
+        paths_in = {id(m): p for p, m in model.named_modules()} if model is not None else None
+        entries = []
+        for owner, block in PLANNER.live():
+            if paths_in is not None and id(owner) not in paths_in:
+                continue
+            name = block.name if paths_in is None else f"{paths_in[id(owner)]}.{block.name.split('.')[-1]}"
+            known = block.measured and not block.opaque
+            choice = PEAK.choices.get(block, RECOMPUTE) if planned else RECOMPUTE
+            opts = {o.kind: o for o in PEAK.options.get(block, ())}
+            shown = opts.get(choice if choice != RECOMPUTE else KEEP)
+            size = shown.bytes if shown is not None else block.bytes if known else None
+            seconds = shown.seconds if shown is not None else block.seconds if known else None
+            entries.append(PlanEntry(name, size, seconds, choice != KEEP, block.measured,
+                                     block.why if block.opaque else None, choice))
+        plan = Plan(entries)
+        plan.policy, plan.budget = policy, settings.peak_bytes(policy)
+        if planned:
+            plan.smallest_peak, plan.largest_peak = PEAK.floor, PEAK.ceiling
+            # Once the plan's first step is recorded, its peak is the prediction for the next steps.
+            plan.predicted_peak = PEAK.realised if PEAK.realised is not None else PEAK.predicted
+        return plan
+
+
+def _first() -> Block | None:
+    live = PLANNER.live()
+    return live[0][1] if live else None
+
+
+def _device(args: tuple, kwargs: dict | None) -> torch.device:
+    for v in (*args, *(kwargs or {}).values()):
+        if isinstance(v, torch.Tensor):
+            return v.device
+    return torch.device("cpu")
+
+
+def _policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    return CheckpointPolicy.MUST_SAVE if op.overloadpacket in timeline.EXPENSIVE \
+        else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective(func: Callable[..., Any], args: tuple, kwargs: dict | None) -> Any:
+    from torch.utils.checkpoint import checkpoint
+
+    return checkpoint(func, *args, use_reentrant=False,
+                      context_fn=functools.partial(create_selective_checkpoint_contexts, _policy),
+                      **(kwargs or {}))
+
+
+def _unreachable(policy: str, size: int, floor: int) -> str:
+    need = -(-floor * 101 // 100 // 2**20)
+    return (f"checkpoint policy {policy!r}: no plan keeps this step's peak within {size / 2**20:.2f} MiB; "
+            f"the smallest peak reachable is {floor / 2**20:.2f} MiB, with every checkpointed block "
+            f"recomputed (measured from the first checkpointed block's call to the end of the backward). "
+            f"Use peak:{need}MiB or more, a smaller batch, or checkpoint more of the model")

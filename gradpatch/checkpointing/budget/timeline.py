@@ -1,0 +1,186 @@
+"""One training step's memory, measured for the ``peak:<size>`` policy (:mod:`gradpatch.checkpointing.budget.peak`)
+with every block recomputed: the most bytes alive between each two block events, and what keeping
+only each block's expensive ops' outputs would keep.
+
+The step is recorded from its first checkpointed block's call to the end of its backward (an autograd
+callback) by a :class:`~torch.utils._python_dispatch.TorchDispatchMode` that counts each storage an
+operator creates (not a view or an in-place result: those share an input's storage) and, through a
+weak reference on the storage, when it is freed: bytes alive above the step's start, as the allocator
+would count them (without its rounding), for the step's tensors whichever code holds them. The blocks
+run as under ``respect``; each call marks its forward's start and end and its recompute's start.
+During a block's forward the expensive ops (:data:`EXPENSIVE`: matmuls, convolutions, attention) are
+timed and their outputs noted: those freed by the forward's end are what a selective checkpoint
+keeps beyond recomputing the block. Only this one step runs under the mode (a few Python calls per
+operator); the user's own dispatch modes below it keep working.
+"""
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from typing import Any, Callable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+
+_aten = torch.ops.aten
+#: The ops a selective checkpoint keeps the outputs of (torch's usual choice: the compute-bound ones);
+#: the rest of a selectively checkpointed block is recomputed.
+EXPENSIVE = frozenset(getattr(_aten, name) for name in (
+    "mm", "addmm", "bmm", "baddbmm", "convolution", "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention", "_flash_attention_forward", "_efficient_attention_forward")
+    if hasattr(_aten, name))
+
+
+class Recording(TorchDispatchMode):
+    """The live-bytes count of one step and its marks (see the module docstring)."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.now = self.high = 0
+        self.levels: list[int] = []  # the most alive in each interval between two marks
+        self.marks: list[tuple[str, int]] = []  # (kind, call): "F" forward start, "E" its end, "R" recompute
+        self.calls: list[Any] = []  # the block of each call
+        self.tracked: dict[int, int] = {}
+        self.expensive: list[tuple[Any, int]] | None = None  # during a forward: (storage ref, bytes)
+        self.expensive_seconds = 0.0
+        self.selective: dict[int, tuple[int, float]] = {}  # call -> (bytes, seconds)
+        self.thread = threading.get_ident()
+        self.ended = self.backward = self.active = False
+        self.choices: dict = {}
+        self.sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        timed = self.expensive is not None and func.overloadpacket in EXPENSIVE
+        if timed:
+            self.sync()
+            start = time.perf_counter()
+        out = func(*args, **(kwargs or {}))
+        if timed:
+            self.sync()
+            self.expensive_seconds += time.perf_counter() - start
+        inputs = None
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor):
+                continue
+            try:
+                storage = t.untyped_storage()
+            except (RuntimeError, NotImplementedError):
+                continue
+            key = id(storage)
+            if key in self.tracked:
+                continue
+            if inputs is None:
+                inputs = {id(a.untyped_storage()) for a in tree_flatten((args, kwargs))[0]
+                          if isinstance(a, torch.Tensor) and _has_storage(a)}
+            if key in inputs:  # a view or an in-place result: no new storage
+                continue
+            size = storage.nbytes()
+            self.tracked[key] = size
+            self.now += size
+            self.high = max(self.high, self.now)
+            weakref.finalize(storage, self._free, key, size)
+            if timed and self.expensive is not None:
+                self.expensive.append((weakref.ref(storage), size))
+        return out
+
+    def _free(self, key: int, size: int) -> None:
+        if self.tracked.pop(key, None) is not None:
+            self.now -= size
+
+    def mark(self, kind: str, call: int) -> None:
+        self.levels.append(self.high)
+        self.high = self.now
+        self.marks.append((kind, call))
+
+    def occurrences(self) -> list[tuple[Any, int, int]]:
+        """(block, first interval, end interval) of each call: from its forward's start to its
+        recompute's start (the step's end if it was not recomputed). Interval ``k`` follows mark ``k``."""
+        starts: dict[int, int] = {}
+        ends: dict[int, int] = {}
+        for index, (kind, call) in enumerate(self.marks):
+            if kind == "F":
+                starts[call] = index
+            elif kind == "R" and call not in ends:
+                ends[call] = index
+        return [(self.calls[c], starts[c], ends.get(c, len(self.marks))) for c in starts]
+
+
+class Marked:
+    """``func`` as the checkpoint sees it during the recorded step: a bound-method look-alike (the
+    checkpoint remembers a module's method by ``__self__``/``__func__``) that marks its calls."""
+
+    def __init__(self, func: Any, recording: Recording, call: int) -> None:
+        self.__self__, self.__func__, self.__name__ = func.__self__, func.__func__, func.__name__
+        self.func, self.recording, self.call, self.calls = func, recording, call, 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        recording = self.recording
+        if self.calls == 1:  # the checkpoint's forward
+            recording.mark("F", self.call)
+            recording.expensive, recording.expensive_seconds = [], 0.0
+            try:
+                return self.func(*args, **kwargs)
+            finally:
+                noted, recording.expensive = recording.expensive or [], None
+                # After the forward the fast path dropped its graph: the expensive outputs freed by
+                # then are what a selective checkpoint would keep (those alive are held anyway).
+                recording.selective[self.call] = (
+                    sum(size for ref, size in noted if ref() is None), recording.expensive_seconds)
+                recording.mark("E", self.call)
+        if not recording.ended:
+            if not recording.backward:  # the first recompute: note the backward's end
+                recording.backward = True
+                torch.autograd.Variable._execution_engine.queue_callback(lambda: finish(recording))
+            recording.mark("R", self.call)
+        return self.func(*args, **kwargs)
+
+
+def start(device: torch.device, choices: dict) -> Recording:
+    """Record the step beginning now; ``choices``: the plan it runs (block -> choice), empty: every
+    block recomputed."""
+    recording = Recording(device)
+    recording.choices = choices
+    recording.__enter__()
+    recording.active = True
+    return recording
+
+
+def run(recording: Recording, block: Any, runner: Callable[..., Any], func: Callable[..., Any], args: tuple,
+        kwargs: dict | None) -> Any:
+    """One block call of the recorded step, run by ``runner(func, args, kwargs)`` (``paths.run``:
+    recomputed as under ``respect``)."""
+    recording.calls.append(block)
+    return runner(Marked(func, recording, len(recording.calls) - 1), args, kwargs)
+
+
+def finish(recording: Recording) -> None:
+    """The backward ended: the last interval, and the mode leaves this thread's stack."""
+    if recording.ended:
+        return
+    recording.levels.append(recording.high)
+    recording.ended = True
+    stop(recording)
+
+
+def stop(recording: Recording) -> None:
+    """Take the mode off the stack if it is on top in this thread (otherwise it is left to end there)."""
+    if not recording.active or threading.get_ident() != recording.thread:
+        return
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    if _get_current_dispatch_mode() is recording:
+        recording.active = False
+        recording.__exit__(None, None, None)
+
+
+def _has_storage(t: torch.Tensor) -> bool:
+    try:
+        t.untyped_storage()
+        return True
+    except (RuntimeError, NotImplementedError):
+        return False
