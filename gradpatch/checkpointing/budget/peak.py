@@ -158,13 +158,7 @@ def run(func: Callable[..., Any], args: tuple, kwargs: dict | None, policy: str)
             if not recording.ended and not (block is _first() and recording.backward):
                 return timeline.run(recording, block, _runner(recording.choices.get(block, RECOMPUTE), block),
                                     func, args, kwargs)
-            timeline.stop(recording)  # ended, or a new step began before the backward ended
-            PEAK.recording = None
-            if recording.ended and PEAK.epoch == PLANNER.epoch:
-                if recording.choices:
-                    PEAK.check(recording)
-                else:
-                    PEAK.recorded, PEAK.solved_for = recording, None
+            _settle()  # ended, or a new step began before the backward ended
         if not block.measured:
             return measure.measure(block, func, args, kwargs)
         if PEAK.epoch != PLANNER.epoch:  # new blocks since the recording: measure and record again
@@ -173,7 +167,7 @@ def run(func: Callable[..., Any], args: tuple, kwargs: dict | None, policy: str)
         first = block is _first()
         if PEAK.recorded is None:
             if first and all(b.measured for _, b in PLANNER.live()):
-                PEAK.recording = timeline.start(_device(args, kwargs), {})
+                PEAK.recording = timeline.start(_device(args, kwargs), {}, _values(args, kwargs))
                 return timeline.run(PEAK.recording, block, paths.run, func, args, kwargs)
             return paths.run(func, args, kwargs)
         size = settings.peak_bytes(policy)
@@ -184,9 +178,24 @@ def run(func: Callable[..., Any], args: tuple, kwargs: dict | None, policy: str)
         choice = PEAK.choices.get(block, RECOMPUTE)
         if first and PEAK.realised is None and any(c != RECOMPUTE for c in PEAK.choices.values()):
             # The plan's first step is recorded too: its peak measured, not only predicted.
-            PEAK.recording = timeline.start(_device(args, kwargs), dict(PEAK.choices))
+            PEAK.recording = timeline.start(_device(args, kwargs), dict(PEAK.choices), _values(args, kwargs))
             return timeline.run(PEAK.recording, block, _runner(choice, block), func, args, kwargs)
     return _runner(choice, block)(func, args, kwargs)
+
+
+def _settle() -> None:
+    """Take the recording in progress off the stack and, if its step ended, use it."""
+    recording = PEAK.recording
+    if recording is None:
+        return
+    complete = recording.ended
+    timeline.stop(recording)
+    PEAK.recording = None
+    if complete and PEAK.epoch == PLANNER.epoch:
+        if recording.choices:
+            PEAK.check(recording)
+        else:
+            PEAK.recorded, PEAK.solved_for = recording, None
 
 
 def _runner(choice: str, block: Block) -> Callable[[Callable[..., Any], tuple, dict | None], Any]:
@@ -205,6 +214,8 @@ def _runner(choice: str, block: Block) -> Callable[[Callable[..., Any], tuple, d
 def report(model: torch.nn.Module | None, policy: str) -> Plan:
     """:func:`gradpatch.checkpoint_plan` under ``peak:<size>``."""
     with PEAK.lock:
+        if PEAK.recording is not None and PEAK.recording.ended:
+            _settle()
         if PEAK.recorded is not None and PEAK.epoch == PLANNER.epoch \
                 and PEAK.solved_for != settings.peak_bytes(policy):
             PEAK.solve(settings.peak_bytes(policy))
@@ -235,6 +246,10 @@ def report(model: torch.nn.Module | None, policy: str) -> Plan:
 def _first() -> Block | None:
     live = PLANNER.live()
     return live[0][1] if live else None
+
+
+def _values(args: tuple, kwargs: dict | None) -> tuple:
+    return args if not kwargs else (*args, *kwargs.values())
 
 
 def _device(args: tuple, kwargs: dict | None) -> torch.device:

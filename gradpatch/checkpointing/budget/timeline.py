@@ -54,6 +54,8 @@ class Recording(TorchDispatchMode):
         self.sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if self.ended:  # until the mode leaves the stack at the next block call (see finish)
+            return func(*args, **(kwargs or {}))
         timed = self.expensive is not None and func.overloadpacket in EXPENSIVE
         if timed:
             self.sync()
@@ -140,12 +142,21 @@ class Marked:
         return self.func(*args, **kwargs)
 
 
-def start(device: torch.device, choices: dict) -> Recording:
-    """Record the step beginning now; ``choices``: the plan it runs (block -> choice), empty: every
-    block recomputed."""
+def start(device: torch.device, choices: dict, inputs: tuple = ()) -> Recording:
+    """Record the step beginning now, at its first block's call with ``inputs``; ``choices``: the plan
+    it runs (block -> choice), empty: every block recomputed. The inputs computed in this forward
+    count from the start."""
     recording = Recording(device)
     recording.choices = choices
     recording.__enter__()
+    for t in inputs:  # computed since the forward began (an input convolution's output): alive already
+        if isinstance(t, torch.Tensor) and t.grad_fn is not None and _has_storage(t):
+            storage = t.untyped_storage()
+            if id(storage) not in recording.tracked:
+                recording.tracked[id(storage)] = storage.nbytes()
+                recording.now += storage.nbytes()
+                weakref.finalize(storage, recording._free, id(storage), storage.nbytes())
+    recording.high = recording.now
     recording.active = True
     return recording
 
@@ -159,16 +170,19 @@ def run(recording: Recording, block: Any, runner: Callable[..., Any], func: Call
 
 
 def finish(recording: Recording) -> None:
-    """The backward ended: the last interval, and the mode leaves this thread's stack."""
+    """The backward ended: the last interval. The mode stays on the stack, passing every op through:
+    the autograd engine runs this callback with a copy of the thread's modes, which it puts back
+    afterwards, so the mode can only leave from the thread itself (:func:`stop`)."""
     if recording.ended:
         return
     recording.levels.append(recording.high)
     recording.ended = True
-    stop(recording)
 
 
 def stop(recording: Recording) -> None:
-    """Take the mode off the stack if it is on top in this thread (otherwise it is left to end there)."""
+    """Take the mode off this thread's stack if it is on top there, called from the thread that
+    recorded (the next block call, :func:`gradpatch.checkpoint_plan`); it stops counting anyway."""
+    recording.ended = True
     if not recording.active or threading.get_ident() != recording.thread:
         return
     from torch.utils._python_dispatch import _get_current_dispatch_mode
