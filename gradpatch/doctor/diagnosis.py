@@ -218,10 +218,10 @@ def explain_grads(model: torch.nn.Module, error: BaseException | None = None,
 
 
 def checkpoint_plan_text(*models: torch.nn.Module) -> str:
-    """The ``budget:<size>`` checkpoint policy's plan for the blocks of ``models`` (of every model if
-    none): one table each; ``""`` under another policy."""
+    """The ``budget:<size>`` or ``peak:<size>`` checkpoint policy's plan for the blocks of ``models`` (of
+    every model if none): one table each; ``""`` under another policy."""
     from gradpatch import settings
-    if not settings.is_budget(settings.checkpoint_policy):
+    if not (settings.is_budget(settings.checkpoint_policy) or settings.is_peak(settings.checkpoint_policy)):
         return ""
     from gradpatch.checkpointing.budget import checkpoint_plan
 

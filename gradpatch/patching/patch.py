@@ -153,10 +153,10 @@ def _importable(module: str) -> bool:
 
 
 def report_line() -> str:
-    """One line on the ``budget:<size>`` plan for :class:`Report`, or ``""`` under another policy. The
-    planner is asked only if something has loaded it: reporting never imports torch."""
+    """One line on the ``budget:<size>`` or ``peak:<size>`` plan for :class:`Report`, or ``""`` under
+    another policy. The planner is asked only if something has loaded it: reporting never imports torch."""
     policy = settings.checkpoint_policy
-    if not settings.is_budget(policy):
+    if not (settings.is_budget(policy) or settings.is_peak(policy)):
         return ""
     planner = sys.modules.get("gradpatch.checkpointing.budget.policy")
     if planner is None:

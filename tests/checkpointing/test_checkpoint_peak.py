@@ -206,3 +206,20 @@ def test_a_forward_without_backward_while_recording_leaves_no_mode_behind(unet, 
         plan = budget.checkpoint_plan()
         assert plan.predicted_peak is not None and all(e.measured for e in plan)
         assert _get_current_dispatch_mode() is None
+
+
+def test_report_and_doctor_show_the_peak_plan(unet, capsys):
+    from gradpatch.patching import patch as registry
+
+    x = torch.randn(2, 4, 16, 16)
+    with gradpatch.checkpoint_policy_scope("peak:1GiB"):
+        for _ in range(budget.TIMING_CALLS + 2):
+            step(unet, AUDIOLDM, x)
+        line = registry.report_line()
+        assert line.startswith("checkpoint policy peak:1GiB: predicted peak "), line
+        assert "12 of 12 blocks kept" in line or "selective" in line
+        assert line in str(gradpatch.report())
+        with gradpatch.grad_doctor(unet):
+            step(unet, AUDIOLDM, x)
+    err = capsys.readouterr().err
+    assert "checkpoint policy peak:1GiB: predicted peak" in err and "output_blocks.1.0._forward" in err
