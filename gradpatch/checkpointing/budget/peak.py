@@ -11,11 +11,13 @@ outputs keeps and saves. From these the plan (:mod:`gradpatch.checkpointing.budg
 chooses per block:
 
 * **keep**: run directly, as under ``never`` (up to the input sizes measured);
-* **selective**: torch's non-reentrant checkpoint with a selective-checkpoint policy keeping the
-  outputs of matmuls, convolutions and attention
-  (:func:`torch.utils.checkpoint.create_selective_checkpoint_contexts`; torch 2.4 and later) and
-  recomputing the cheap elementwise work between them;
 * **recompute**: the fixed checkpoint, as under ``respect``.
+
+Keeping only a block's matmul, convolution and attention outputs (torch's checkpoint with
+:func:`torch.utils.checkpoint.create_selective_checkpoint_contexts`) is not among the choices: on CPU
+its selective policy, one Python call per operator in the forward and again in the recompute, made
+the medium UNet's step slower than recomputing every block (1.70-1.79x ``never`` against 1.35x,
+``benchmarks/peak_plan.py``), and its cost cannot be priced without running it.
 
 A kept block's activations are alive from its forward to its backward, where a recomputed block holds
 the same activations again: keeping the last blocks of the forward costs little or no peak, keeping
@@ -29,7 +31,6 @@ the step recorded again. Offloading to the CPU is not among the choices: use
 """
 from __future__ import annotations
 
-import functools
 import threading
 import weakref
 from typing import Any, Callable
@@ -40,18 +41,13 @@ from gradpatch import settings
 from gradpatch.checkpointing import paths
 from gradpatch.checkpointing.budget import knapsack, measure, timeline
 from gradpatch.checkpointing.budget.key import signature, size_of, state
-from gradpatch.checkpointing.budget.peak_choice import KEEP, RECOMPUTE, SELECTIVE, Occurrence, Option, \
-    PeakUnreachable, choose, predict
+from gradpatch.checkpointing.budget.peak_choice import KEEP, RECOMPUTE, Occurrence, Option, PeakUnreachable, \
+    choose, predict
 from gradpatch.checkpointing.budget.planner import PLANNER, TIMING_CALLS, Block, items_of
 from gradpatch.checkpointing.budget.report import Plan, PlanEntry
 from gradpatch.checkpointing.compat import is_compiling
 
 __all__ = ["PeakUnreachable", "TIMING_CALLS", "run", "PEAK"]
-
-try:
-    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
-except ImportError:  # torch < 2.4: no selective checkpoint; the plan chooses between keep and recompute
-    create_selective_checkpoint_contexts = None  # type: ignore[assignment]
 
 
 class PeakPlan:
@@ -81,23 +77,13 @@ class PeakPlan:
                  for i in range(len(blocks))] if shared else [it.bytes for it in items]
         recorded = self.recorded
         assert recorded is not None
-        occurrences, partial = [], [(0, 0.0)] * len(blocks)
-        for call, (block, start, end) in enumerate(recorded.occurrences()):
-            i = index.get(id(block))
-            if i is None:
-                continue
-            occurrences.append(Occurrence(i, start, end))
-            size_s, seconds_s = recorded.selective.get(call, (0, 0.0))
-            partial[i] = (max(partial[i][0], size_s), partial[i][1] + seconds_s)
+        occurrences = [Occurrence(index[id(block)], start, end)
+                       for block, start, end in recorded.occurrences() if id(block) in index]
         options: list[list[Option]] = []
         for i, b in enumerate(blocks):
             opts = [Option(RECOMPUTE, 0, 0.0)]
-            per_call = alone[i] // max(b.per_step, 1)
             if not b.opaque and b.measured:
-                if create_selective_checkpoint_contexts is not None and 0 < partial[i][0] < per_call \
-                        and partial[i][1] > 0:
-                    opts.append(Option(SELECTIVE, partial[i][0], min(partial[i][1], b.seconds)))
-                opts.append(Option(KEEP, per_call, b.seconds))
+                opts.append(Option(KEEP, alone[i] // max(b.per_step, 1), b.seconds))
             options.append(opts)
         levels = recorded.levels
         self.floor = max(levels, default=0)
@@ -167,7 +153,7 @@ def run(func: Callable[..., Any], args: tuple, kwargs: dict | None, policy: str)
         first = block is _first()
         if PEAK.recorded is None:
             if first and all(b.measured for _, b in PLANNER.live()):
-                PEAK.recording = timeline.start(_device(args, kwargs), {}, _values(args, kwargs))
+                PEAK.recording = timeline.start({}, _values(args, kwargs))
                 return timeline.run(PEAK.recording, block, paths.run, func, args, kwargs)
             return paths.run(func, args, kwargs)
         size = settings.peak_bytes(policy)
@@ -178,7 +164,7 @@ def run(func: Callable[..., Any], args: tuple, kwargs: dict | None, policy: str)
         choice = PEAK.choices.get(block, RECOMPUTE)
         if first and PEAK.realised is None and any(c != RECOMPUTE for c in PEAK.choices.values()):
             # The plan's first step is recorded too: its peak measured, not only predicted.
-            PEAK.recording = timeline.start(_device(args, kwargs), dict(PEAK.choices), _values(args, kwargs))
+            PEAK.recording = timeline.start(dict(PEAK.choices), _values(args, kwargs))
             return timeline.run(PEAK.recording, block, _runner(choice, block), func, args, kwargs)
     return _runner(choice, block)(func, args, kwargs)
 
@@ -206,8 +192,6 @@ def _runner(choice: str, block: Block) -> Callable[[Callable[..., Any], tuple, d
                 return func(*args, **(kwargs or {}))
             return paths.run(func, args, kwargs)  # larger than measured: it may keep more
         return keep
-    if choice == SELECTIVE:
-        return _selective
     return paths.run
 
 
@@ -250,26 +234,6 @@ def _first() -> Block | None:
 
 def _values(args: tuple, kwargs: dict | None) -> tuple:
     return args if not kwargs else (*args, *kwargs.values())
-
-
-def _device(args: tuple, kwargs: dict | None) -> torch.device:
-    for v in (*args, *(kwargs or {}).values()):
-        if isinstance(v, torch.Tensor):
-            return v.device
-    return torch.device("cpu")
-
-
-def _policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
-    return CheckpointPolicy.MUST_SAVE if op.overloadpacket in timeline.EXPENSIVE \
-        else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def _selective(func: Callable[..., Any], args: tuple, kwargs: dict | None) -> Any:
-    from torch.utils.checkpoint import checkpoint
-
-    return checkpoint(func, *args, use_reentrant=False,
-                      context_fn=functools.partial(create_selective_checkpoint_contexts, _policy),
-                      **(kwargs or {}))
 
 
 def _unreachable(policy: str, size: int, floor: int) -> str:

@@ -3,19 +3,18 @@ size (torch-free).
 
 The step's memory is measured once with every block recomputed, as a list of *levels*: the most bytes
 alive in each interval between two block events (a block's forward starting or ending, its recompute
-starting in backward), above what was alive when the first block began. Keeping a block (or, selectively,
-its expensive ops' outputs) adds its bytes to every interval from its forward's start to its recompute's
+starting in backward), above what was alive when the first block began. Keeping a block adds its bytes to every interval from its forward's start to its recompute's
 start, where recomputing would not have them alive; from its recompute on, the recomputed block holds
 the same activations as a kept one. So the last block of a chain is kept for free, and a block kept
 late in the forward costs less peak than one kept early. The predicted peak of a choice is the largest
-level plus what the chosen blocks add there (:func:`predict`); :func:`choose` picks, among recompute /
-selective / keep per block, the most seconds saved with the predicted peak at or under the size.
+level plus what the chosen blocks add there (:func:`predict`); :func:`choose` picks, among each
+block's options (recompute, keep), the most seconds saved with the predicted peak at or under the size.
 """
 from __future__ import annotations
 
 from typing import NamedTuple, Sequence
 
-RECOMPUTE, SELECTIVE, KEEP = "recompute", "selective", "keep"
+RECOMPUTE, KEEP = "recompute", "keep"
 
 
 class Option(NamedTuple):

@@ -72,10 +72,10 @@ class Plan(tuple):  # type: ignore[type-arg]
                 f"{_mib(self.largest_peak or 0)}")
         if self.predicted_peak is None:
             return f"{head}: no plan fits ({span})"
-        count = {c: sum(e.choice == c for e in self) for c in ("keep", "selective")}
-        saved = sum(e.recompute_seconds or 0.0 for e in self if e.choice in ("keep", "selective"))
+        kept = sum(e.choice == "keep" for e in self)
+        saved = sum(e.recompute_seconds or 0.0 for e in self if e.choice == "keep")
         return (f"{head}: predicted peak {_mib(self.predicted_peak)} of {_mib(self.budget or 0)} ({span}); "
-                f"{count['keep']} of {len(self)} blocks kept, {count['selective']} selective, saving about "
+                f"{kept} of {len(self)} blocks kept, saving about "
                 f"{saved * 1e3:.1f} ms a step{self._unplanned()}")
 
     def _unplanned(self) -> str:

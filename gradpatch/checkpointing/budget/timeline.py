@@ -1,22 +1,18 @@
-"""One training step's memory, measured for the ``peak:<size>`` policy (:mod:`gradpatch.checkpointing.budget.peak`)
-with every block recomputed: the most bytes alive between each two block events, and what keeping
-only each block's expensive ops' outputs would keep.
+"""One training step's memory, measured for the ``peak:<size>`` policy (:mod:`gradpatch.checkpointing.budget.peak`):
+the most bytes alive between each two block events.
 
 The step is recorded from its first checkpointed block's call to the end of its backward (an autograd
 callback) by a :class:`~torch.utils._python_dispatch.TorchDispatchMode` that counts each storage an
 operator creates (not a view or an in-place result: those share an input's storage) and, through a
 weak reference on the storage, when it is freed: bytes alive above the step's start, as the allocator
 would count them (without its rounding), for the step's tensors whichever code holds them. The blocks
-run as under ``respect``; each call marks its forward's start and end and its recompute's start.
-During a block's forward the expensive ops (:data:`EXPENSIVE`: matmuls, convolutions, attention) are
-timed and their outputs noted: those freed by the forward's end are what a selective checkpoint
-keeps beyond recomputing the block. Only this one step runs under the mode (a few Python calls per
+run as the plan being recorded says (every block recomputed, as under ``respect``, for the first
+recording); each call marks its forward's start and end and its recompute's start. Only this step runs under the mode (a few Python calls per
 operator); the user's own dispatch modes below it keep working.
 """
 from __future__ import annotations
 
 import threading
-import time
 import weakref
 from typing import Any, Callable
 
@@ -25,45 +21,24 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 
-_aten = torch.ops.aten
-#: The ops a selective checkpoint keeps the outputs of (torch's usual choice: the compute-bound ones);
-#: the rest of a selectively checkpointed block is recomputed.
-EXPENSIVE = frozenset(getattr(_aten, name) for name in (
-    "mm", "addmm", "bmm", "baddbmm", "convolution", "_scaled_dot_product_flash_attention",
-    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
-    "_scaled_dot_product_cudnn_attention", "_flash_attention_forward", "_efficient_attention_forward")
-    if hasattr(_aten, name))
-
-
 class Recording(TorchDispatchMode):
     """The live-bytes count of one step and its marks (see the module docstring)."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self) -> None:
         super().__init__()
         self.now = self.high = 0
         self.levels: list[int] = []  # the most alive in each interval between two marks
         self.marks: list[tuple[str, int]] = []  # (kind, call): "F" forward start, "E" its end, "R" recompute
         self.calls: list[Any] = []  # the block of each call
         self.tracked: dict[int, int] = {}
-        self.expensive: list[tuple[Any, int]] | None = None  # during a forward: (storage ref, bytes)
-        self.expensive_seconds = 0.0
-        self.selective: dict[int, tuple[int, float]] = {}  # call -> (bytes, seconds)
         self.thread = threading.get_ident()
         self.ended = self.backward = self.active = False
         self.choices: dict = {}
-        self.sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         if self.ended:  # until the mode leaves the stack at the next block call (see finish)
             return func(*args, **(kwargs or {}))
-        timed = self.expensive is not None and func.overloadpacket in EXPENSIVE
-        if timed:
-            self.sync()
-            start = time.perf_counter()
         out = func(*args, **(kwargs or {}))
-        if timed:
-            self.sync()
-            self.expensive_seconds += time.perf_counter() - start
         inputs = None
         for t in tree_flatten(out)[0]:
             if not isinstance(t, torch.Tensor):
@@ -85,8 +60,6 @@ class Recording(TorchDispatchMode):
             self.now += size
             self.high = max(self.high, self.now)
             weakref.finalize(storage, self._free, key, size)
-            if timed and self.expensive is not None:
-                self.expensive.append((weakref.ref(storage), size))
         return out
 
     def _free(self, key: int, size: int) -> None:
@@ -122,31 +95,34 @@ class Marked:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.calls += 1
         recording = self.recording
-        if self.calls == 1:  # the checkpoint's forward
+        if self.calls == 1:  # the block's forward
             recording.mark("F", self.call)
-            recording.expensive, recording.expensive_seconds = [], 0.0
             try:
-                return self.func(*args, **kwargs)
+                out = self.func(*args, **kwargs)
             finally:
-                noted, recording.expensive = recording.expensive or [], None
-                # After the forward the fast path dropped its graph: the expensive outputs freed by
-                # then are what a selective checkpoint would keep (those alive are held anyway).
-                recording.selective[self.call] = (
-                    sum(size for ref, size in noted if ref() is None), recording.expensive_seconds)
                 recording.mark("E", self.call)
+            for t in tree_flatten(out)[0]:  # a kept block's backward: note the backward's end there
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(self._in_backward)
+                    break
+            return out
         if not recording.ended:
-            if not recording.backward:  # the first recompute: note the backward's end
-                recording.backward = True
-                torch.autograd.Variable._execution_engine.queue_callback(lambda: finish(recording))
+            self._in_backward(None)
             recording.mark("R", self.call)
         return self.func(*args, **kwargs)
 
+    def _in_backward(self, grad: Any) -> None:
+        recording = self.recording
+        if not recording.backward and not recording.ended:  # the backward's first block: note its end
+            recording.backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: finish(recording))
 
-def start(device: torch.device, choices: dict, inputs: tuple = ()) -> Recording:
+
+def start(choices: dict, inputs: tuple = ()) -> Recording:
     """Record the step beginning now, at its first block's call with ``inputs``; ``choices``: the plan
     it runs (block -> choice), empty: every block recomputed. The inputs computed in this forward
     count from the start."""
-    recording = Recording(device)
+    recording = Recording()
     recording.choices = choices
     recording.__enter__()
     for t in inputs:  # computed since the forward began (an input convolution's output): alive already
