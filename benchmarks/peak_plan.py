@@ -16,7 +16,7 @@ Rows:
   allocated after the forward, ``peak:<size>`` at each ``sac_ilp`` budget below (the same peak
   limit side by side), and every policy in ``--policies``. A policy ``set_checkpoint_policy``
   rejects (``ValueError``: ``peak:`` before it exists) prints "not available". ``budget:`` and
-  ``peak:`` rows start from a reset planner and run 3 warm-up steps (the policy measures its blocks
+  ``peak:`` rows start from a reset planner (``budget.reset()``) and run 3 warm-up steps (the policy measures its blocks
   during its first steps), then print ``gradpatch.checkpoint_plan()``'s summary; a plan with a
   ``predicted_peak`` attribute gives the row's predicted peak.
 * ``sac_ilp <size>``: torch's ``torch.distributed._tools.sac_ilp.sac_milp`` plan for a step peak of
@@ -71,7 +71,8 @@ from gradpatch.checkpointing import budget  # noqa: E402
 from gradpatch.checkpointing import checkpoint as fixed  # noqa: E402
 
 MiB = 2 ** 20
-WARMUP = 3  # steps before measuring a budget: or peak: policy (the planner measures in its first 2)
+WARMUP = budget.TIMING_CALLS + 1  # steps before measuring a budget: or peak: row (the planner
+# measures blocks in its first TIMING_CALLS steps), as checkpoint_budget.measure_plans runs them
 FIXED = fixed.replace_checkpoint(speed.V1)
 
 
@@ -142,6 +143,8 @@ def measure(row: Row, model: torch.nn.Module, batch: tuple) -> None:
         if row.planned:
             plan = gradpatch.checkpoint_plan(model)
             print(f"  {row.name}: {plan.summary()}")
+            if not plan.complete:
+                print(f"  {row.name}: the plan is not complete after {WARMUP} steps; measured as it is")
             predicted = getattr(plan, "predicted_peak", None)
             row.predicted = None if predicted is None else int(predicted)
         if row.applied is not None:

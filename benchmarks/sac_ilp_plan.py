@@ -129,6 +129,8 @@ class Inputs:
 
     def __init__(self, model: torch.nn.Module, batch: tuple, step: Step, device: torch.device) -> None:
         self.dropped: list[str] = []  # modules left out of the plan (see _fit)
+        if device.type == "cuda" and device.index is None:  # MemTracker's snapshots name the index
+            device = torch.device("cuda", torch.cuda.current_device())
         model.zero_grad(set_to_none=True)
         tracker = PeakTracker()
         tracker.track_external(model)
@@ -229,6 +231,7 @@ class Applied:
             path = fqn[len(root) + 1:] if fqn.startswith(root + ".") else ""
             self.modules[fqn] = (model.get_submodule(path), inputs.stats[fqn].func_names,
                                  inputs.keep(fqn, ratio))
+        self.decisions = decisions
 
     def _context(self, names: list[str], keep: list[bool]) -> Callable:
         def contexts() -> Any:
@@ -267,6 +270,6 @@ class Applied:
                 del module.forward
 
     def describe(self) -> str:
-        parts = [f"{fqn.split('.', 1)[-1]}: keep {sum(k)}/{len(k)} ops"
+        parts = [f"{fqn.split('.', 1)[-1]} (discard {self.decisions[fqn]:.2f}): keep {sum(k)}/{len(k)} ops"
                  for fqn, (_, _, k) in self.modules.items()]
         return "; ".join(parts) if parts else "nothing checkpointed"
