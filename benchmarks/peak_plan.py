@@ -52,6 +52,7 @@ import os
 import random
 import statistics
 import sys
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -183,17 +184,21 @@ def timing(rows: list[Row], model: torch.nn.Module, batch: tuple, steps: int) ->
     model.zero_grad(set_to_none=True)
 
 
-def sac_rows(inputs: sac_ilp_plan.Inputs, model: torch.nn.Module, sizes: list[int]) -> list[Row]:
+def sac_rows(inputs: sac_ilp_plan.Inputs, model: torch.nn.Module, sizes: list[int],
+             depth: int | None) -> list[Row]:
     rows = []
     for size in sizes:
         name = f"sac_ilp {size / MiB:.1f}MiB"
-        decisions, recompute_ms, predicted = inputs.plan(size)
+        start = time.perf_counter()
+        decisions, recompute_ms, predicted = inputs.plan(size, depth)
+        solved = time.perf_counter() - start
         if predicted is None:
-            rows.append(Row(name, checkpoint=direct, missing="no plan (infeasible in sac_ilp's model)"))
+            rows.append(Row(name, checkpoint=direct, missing=f"no plan (infeasible in sac_ilp's model, "
+                                                             f"{solved:.0f} s)"))
             continue
         applied = sac_ilp_plan.Applied(model, inputs, decisions)
         print(f"  {name}: {len(decisions)} modules checkpointed, recompute {recompute_ms:.2f} ms "
-              f"by SACEstimator's times")
+              f"by SACEstimator's times (solved in {solved:.0f} s)")
         rows.append(Row(name, checkpoint=direct, applied=applied, predicted=predicted))
     return rows
 
@@ -227,6 +232,8 @@ def main() -> None:
                         help="budget: sizes, as fractions of the never-respect gap after the forward")
     parser.add_argument("--sac-budgets", default="",
                         help="sac_ilp step peaks in MiB (default: the budget: rows' realised peaks)")
+    parser.add_argument("--sac-depth", type=int, help="sac_ilp may checkpoint only modules at most this deep "
+                        "(the model 0, out 1, input_blocks.4 2, input_blocks.4.0 3); default: any module")
     parser.add_argument("--no-peak-rows", action="store_true",
                         help="no peak:<size> rows at the sac_ilp sizes")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -260,7 +267,7 @@ def main() -> None:
     more = [gradpatch_row(p.strip()) for p in args.policies.split(",") if p.strip()]
     if not args.no_peak_rows:
         more += [gradpatch_row(f"peak:{s / MiB:.1f}MiB") for s in sizes]
-    more += sac_rows(inputs, model, sizes)
+    more += sac_rows(inputs, model, sizes, args.sac_depth)
     for row in more:
         if not row.missing:
             measure(row, model, batch)

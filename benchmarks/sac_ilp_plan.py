@@ -176,10 +176,13 @@ class Inputs:
                 sac.sac_mod_tradeoff_stats[fqn] = fit
         sac.pwlf_sac_tradeoff_curve = lambda *args, **kwargs: None  # type: ignore[method-assign]
 
-    def plan(self, peak: int) -> tuple[dict[str, float], float, int | None]:
+    def plan(self, peak: int, depth: int | None = None) -> tuple[dict[str, float], float, int | None]:
         """``sac_milp``'s plan for a step peak of ``peak`` bytes above the parameters: {module: fraction
-        discarded}, its recompute time (ms), and the peak its model predicts for it (None: no plan)."""
-        decisions, recompute, bound = sac_milp(copy.deepcopy(self.graph),
+        discarded}, its recompute time (ms), and the peak its model predicts for it (None: no plan).
+        ``depth``: only modules at most that deep below the model may be checkpointed (its
+        ``ac_units``); every module otherwise."""
+        units = None if depth is None else [n["fqn"] for n in self.graph.nodes if n["fqn"].count(".") <= depth]
+        decisions, recompute, bound = sac_milp(copy.deepcopy(self.graph), ac_units=units,
                                                memory_budget=(self.params + peak) / GiB, world_size=1)
         return decisions, recompute, (None if bound < 0 else self.predicted(decisions))
 
