@@ -1,7 +1,7 @@
 """``checkpoint_steps``: the ``torch.Generator`` objects a denoiser evaluation reaches through its modules
 (``gradpatch.sampling.steps.generators``) are replayed in its recompute, also where the call's notes of
-which module attributes hold them are read at later evaluations: a generator on a submodule. Held to the
-loop written out by hand (float64)."""
+which module attributes hold them are read at later evaluations: a generator on a submodule, one
+reassigned between two evaluations of the same call. Held to the loop written out by hand (float64)."""
 from __future__ import annotations
 
 import pytest
@@ -51,9 +51,11 @@ class Sampler(nn.Module):
         return x
 
 
-@pytest.mark.parametrize("reseed", [False], ids=["same-generator"])
+@pytest.mark.parametrize("reseed", [False, True], ids=["same-generator", "generator-reassigned"])
 @pytest.mark.parametrize("checkpoint_steps", [True, "budget:1"], ids=["recompute", "budget"])
 def test_a_submodule_generator_is_replayed_in_every_recompute(reseed, checkpoint_steps):
+    """Before, with the generator reassigned mid-call: the recomputes of the evaluations before that drew
+    from the new generator (a gradient 0.069 off, 77% relative); the forward was right."""
     torch.manual_seed(0)
     model = Sampler().double()
     x = torch.randn(2, 4, dtype=torch.float64, requires_grad=True)
