@@ -81,11 +81,12 @@ class AsWas:
     """``fn`` whose calls after :meth:`mark` (the recomputes) see what the forward saw (module docstring).
     What the step reaches is found before the forward, and kept if the forward left it as it was."""
 
-    __slots__ = ("fn", "keep", "held", "marked", "__weakref__")
+    __slots__ = ("fn", "keep", "held", "marked", "known", "__weakref__")
 
     def __init__(self, fn: Callable[..., Any], args: tuple, kwargs: dict,
-                 keep: Callable[[torch.Tensor], Any] | None, known: dict[int, tuple[Any, list]]) -> None:
+                 keep: Callable[[torch.Tensor], Any] | None, known: dict[Any, tuple[Any, list]]) -> None:
         self.fn, self.keep, self.marked = fn, keep, False
+        self.known = known  # the call's notes, shared with steps.generators
         found: dict[tuple[int, int, Any], _Held] = {}
         for holder, key, kind, tensor in _reached(fn, args, kwargs, known):
             found.setdefault((id(holder), id(tensor), key), _Held(holder, key, kind, tensor))
