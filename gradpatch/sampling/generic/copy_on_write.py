@@ -106,13 +106,12 @@ class Through:
         return unpacked
 
 
-def _key(tensor: torch.Tensor) -> tuple[str, int] | None:
+def _key(tensor: torch.Tensor) -> tuple[torch.device, int] | None:
     try:
-        storage = tensor.untyped_storage()
+        pointer = tensor.untyped_storage().data_ptr()
     except (RuntimeError, NotImplementedError):
         return None
-    pointer = storage.data_ptr()
-    return (str(tensor.device), pointer) if pointer else None
+    return (tensor.device, pointer) if pointer else None
 
 
 class CopyOnWrite(TorchFunctionMode):
@@ -120,20 +119,24 @@ class CopyOnWrite(TorchFunctionMode):
 
     def __init__(self) -> None:
         super().__init__()
-        self.saved: dict[tuple[str, int], weakref.WeakSet[Saved | Through]] = {}
+        self.saved: dict[tuple[torch.device, int], weakref.WeakSet[Saved | Through]] = {}
         self.tokens: list[Any] = []
 
     def hold(self, tensor: torch.Tensor) -> Saved:
         saved = Saved(tensor)
         key = _key(tensor)
         if key is not None:
-            self.saved.setdefault(key, weakref.WeakSet()).add(saved)
+            held = self.saved.get(key)
+            if held is None:
+                held = self.saved[key] = weakref.WeakSet()
+            held.add(saved)
         return saved
 
     def pack(self, tensor: torch.Tensor) -> Saved:
         # Held detached (same storage and version counter): a saved output held as itself would keep its
-        # own node alive through the hook (a reference cycle), past the graph a checkpoint drops.
-        return self.hold(tensor.detach())
+        # own node alive through the hook (a reference cycle), past the graph a checkpoint drops. A tensor
+        # that does not require grad has no node: held as it is.
+        return self.hold(tensor.detach() if tensor.requires_grad else tensor)
 
     def __enter__(self) -> CopyOnWrite:
         run = sampling_run.current.get()
@@ -186,29 +189,54 @@ class CopyOnWrite(TorchFunctionMode):
             saved.protect()
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
-        name = getattr(func, "__name__", "")
-        if name == "numpy" and args and isinstance(args[0], torch.Tensor) and args[0].requires_grad:
-            frame = sys._getframe(1)
+        # Most torch calls write nothing: one dict lookup decides (func -> its kind, cached), then the call.
+        try:
+            kind = _KINDS[func]
+        except (KeyError, TypeError):
+            kind = _kind(func)
+        if kind is _PLAIN and (not kwargs or kwargs.get("out") is None):
+            return func(*args, **kwargs) if kwargs else func(*args)
+        return self._handled(func, kind, args, kwargs or {})
+
+    def _handled(self, func: Any, kind: str, args: tuple, kwargs: dict) -> Any:
+        if kind == "numpy" and args and isinstance(args[0], torch.Tensor) and args[0].requires_grad:
+            frame = sys._getframe(2)
             raise NotDifferentiableError(
                 f"gradpatch.differentiable: .numpy() at {frame.f_code.co_filename}:{frame.f_lineno} takes the result "
                 "out of torch, where gradients cannot follow. Differentiate the tensor before the conversion "
                 "(call the part of the sampler that returns it)")
-        if name in _AUGMENTED and args and isinstance(args[0], torch.Tensor) and args[0].is_leaf \
+        name = getattr(func, "__name__", "")
+        if kind == "augmented" and args and isinstance(args[0], torch.Tensor) and args[0].is_leaf \
                 and args[0].requires_grad and torch.is_grad_enabled():
             return getattr(torch.Tensor, _AUGMENTED[name])(*args, **kwargs)  # x += v: rebinds x, out of place
-        if args and (name == "__setitem__" or name in _AUGMENTED
-                     or (name.endswith("_") and not name.startswith("_") and name not in _NOT_WRITES)):
+        if args and kind in ("augmented", "write"):
             self._protect(args[0])
             target = args[0]
-            if isinstance(target, torch.Tensor) and target.requires_grad and target._base is None \
-                    and not torch.is_grad_enabled() and getattr(sampling_run.current.get(), "cut", False):
+            if not torch.is_grad_enabled() and isinstance(target, torch.Tensor) and target.requires_grad \
+                    and target._base is None and getattr(sampling_run.current.get(), "cut", False):
                 target.detach_()  # grad_steps: a state updated in place in an early step leaves the graph
         out = kwargs.get("out")
         if out is not None:
             for tensor in out if isinstance(out, (tuple, list)) else (out,):
                 self._protect(tensor)
         return func(*args, **kwargs)
+
+
+_PLAIN = "plain"
+_KINDS: dict[Any, str] = {}  # a torch function -> _PLAIN, "numpy", "augmented" or "write" (by its name)
+
+
+def _kind(func: Any) -> str:
+    name = getattr(func, "__name__", "")
+    kind = "numpy" if name == "numpy" else "augmented" if name in _AUGMENTED else "write" \
+        if name == "__setitem__" or (name.endswith("_") and not name.startswith("_") and name not in _NOT_WRITES) \
+        else _PLAIN
+    try:
+        if len(_KINDS) < 4096:  # bounded: functions made on the fly would each add one
+            _KINDS[func] = kind
+    except TypeError:  # not hashable
+        pass
+    return kind
 
 
 # Saved-tensor hooks that the sampler pushes during a call (its own ``save_on_cpu``) would hide the tensors
