@@ -119,24 +119,46 @@ class CopyOnWrite(TorchFunctionMode):
 
     def __init__(self) -> None:
         super().__init__()
-        self.saved: dict[tuple[torch.device, int], weakref.WeakSet[Saved | Through]] = {}
+        # storage -> what holds tensors saved on it (weakly: the graph keeps them), swept as it grows
+        self.saved: dict[tuple[torch.device, int], list[weakref.ref[Saved | Through]]] = {}
         self.tokens: list[Any] = []
+        self.noted, self.sweep_at = 0, 4096
+
+    def note(self, key: tuple[torch.device, int], held: Saved | Through) -> None:
+        refs = self.saved.get(key)
+        if refs is None:
+            self.saved[key] = [weakref.ref(held)]
+        else:
+            refs.append(weakref.ref(held))
+        self.noted += 1
+        if self.noted > self.sweep_at:
+            self.sweep()
+
+    def sweep(self) -> None:
+        """Drop what the graphs no longer hold (in place: a note made meanwhile is kept)."""
+        live = 0
+        for key, refs in list(self.saved.items()):
+            for i in range(len(refs) - 1, -1, -1):
+                if refs[i]() is None:
+                    del refs[i]
+            if refs:
+                live += len(refs)
+            else:
+                self.saved.pop(key, None)
+        self.noted, self.sweep_at = live, max(4096, 2 * live)
 
     def hold(self, tensor: torch.Tensor) -> Saved:
         saved = Saved(tensor)
         key = _key(tensor)
         if key is not None:
-            held = self.saved.get(key)
-            if held is None:
-                held = self.saved[key] = weakref.WeakSet()
-            held.add(saved)
+            self.note(key, saved)
         return saved
 
     def pack(self, tensor: torch.Tensor) -> Saved:
         # Held detached (same storage and version counter): a saved output held as itself would keep its
-        # own node alive through the hook (a reference cycle), past the graph a checkpoint drops. A tensor
-        # that does not require grad has no node: held as it is.
-        return self.hold(tensor.detach() if tensor.requires_grad else tensor)
+        # own node alive through the hook (a reference cycle), past the graph a checkpoint drops. A leaf
+        # (a parameter, a tensor that does not require grad) has no node: held as it is.
+        return self.hold(tensor if tensor.grad_fn is None else tensor.detach())
 
     def __enter__(self) -> CopyOnWrite:
         run = sampling_run.current.get()
@@ -167,12 +189,11 @@ class CopyOnWrite(TorchFunctionMode):
 
     def compose(self, pack: Callable[[torch.Tensor], Any], unpack: Callable[[Any], torch.Tensor]) -> tuple:
         """``(pack, unpack)`` passing each tensor to ``pack`` and ``unpack`` with copy on write around them."""
-        saved = self.saved
 
         def through_pack(tensor: torch.Tensor) -> tuple[Through, Any]:
             held = Through(tensor)
             if held.key is not None:
-                saved.setdefault(held.key, weakref.WeakSet()).add(held)
+                self.note(held.key, held)
             return held, pack(tensor.detach())  # detached: see CopyOnWrite.pack
 
         def through_unpack(packed: tuple[Through, Any]) -> torch.Tensor:
@@ -184,9 +205,11 @@ class CopyOnWrite(TorchFunctionMode):
         if not isinstance(tensor, torch.Tensor):
             return
         key = _key(tensor)
-        held = self.saved.pop(key, None) if key is not None else None
-        for saved in list(held or ()):
-            saved.protect()
+        refs = self.saved.pop(key, None) if key is not None else None
+        for ref in refs or ():
+            held = ref()
+            if held is not None:
+                held.protect()
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         # Most torch calls write nothing: one dict lookup decides (func -> its kind, cached), then the call.
