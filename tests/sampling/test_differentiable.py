@@ -155,6 +155,37 @@ def test_buffers_refilled_and_state_updated_in_place():
     assert_grads_equal(got, grads(cfg_euler(model.estimator, noise, mu, 4).square().sum(), noise, mu, *params))
 
 
+def test_a_tensor_saved_before_thousands_of_dropped_graphs_is_still_copied(monkeypatch):
+    """Copy on write notes each saved tensor weakly, per storage, and sweeps the dead notes as they grow:
+    a call that builds and drops thousands of graphs keeps a small registry, and a buffer saved before
+    them and refilled after is still copied (gradients of the out-of-place computation)."""
+    from gradpatch.sampling.generic.copy_on_write import CopyOnWrite
+
+    live = []
+    sweep = CopyOnWrite.sweep
+
+    def counted(self):
+        sweep(self)
+        live.append(sum(map(len, self.saved.values())))
+
+    monkeypatch.setattr(CopyOnWrite, "sweep", counted)
+
+    @torch.no_grad()
+    def sampler(x, w):
+        buf = torch.zeros(2, 4)
+        buf[:] = x
+        y = buf * w  # saves buf
+        for _ in range(3000):
+            (x * w).sum()  # a graph built and dropped: two tensors saved
+        buf[:] = 0  # y's backward needs the values buf had
+        return y
+
+    x, w = inputs()
+    got = grads(gradpatch.differentiable(sampler)(x, w).square().sum(), x, w)
+    assert_grads_equal(got, grads((x * w).square().sum(), x, w))
+    assert live and max(live) < 50
+
+
 @pytest.mark.parametrize("checkpoint_steps", [False, True])
 @pytest.mark.parametrize("k", [1, 2, 3, 4, 6])
 def test_grad_steps_is_a_graph_through_the_last_k_steps(k, checkpoint_steps):

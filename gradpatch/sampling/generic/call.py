@@ -167,7 +167,8 @@ def _modes_kept(objects: list[Any]) -> Iterator[None]:
         yield
     finally:
         for module, flag in flags:
-            module.training = flag
+            if module.training is not flag:
+                module.training = flag
         for root in {id(o): o for o in objects if isinstance(o, torch.nn.Module)}.values():
             _new_children_follow(root, modules)
 

@@ -158,7 +158,16 @@ class CopyOnWrite(TorchFunctionMode):
         # Held detached (same storage and version counter): a saved output held as itself would keep its
         # own node alive through the hook (a reference cycle), past the graph a checkpoint drops. A leaf
         # (a parameter, a tensor that does not require grad) has no node: held as it is.
-        return self.hold(tensor if tensor.grad_fn is None else tensor.detach())
+        if tensor.grad_fn is not None:
+            tensor = tensor.detach()
+        saved = Saved(tensor)  # CopyOnWrite.hold, inlined: one call per tensor saved
+        try:
+            pointer = tensor.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError):
+            return saved
+        if pointer:
+            self.note((tensor.device, pointer), saved)
+        return saved
 
     def __enter__(self) -> CopyOnWrite:
         run = sampling_run.current.get()
