@@ -106,11 +106,15 @@ class Through:
         return unpacked
 
 
-def _key(tensor: torch.Tensor) -> tuple[torch.device, int] | None:
+def _pointer(tensor: torch.Tensor) -> int:
     try:
-        pointer = tensor.untyped_storage().data_ptr()
+        return tensor.untyped_storage().data_ptr()
     except (RuntimeError, NotImplementedError):
-        return None
+        return 0
+
+
+def _key(tensor: torch.Tensor) -> tuple[torch.device, int] | None:
+    pointer = _pointer(tensor)
     return (tensor.device, pointer) if pointer else None
 
 
@@ -119,15 +123,16 @@ class CopyOnWrite(TorchFunctionMode):
 
     def __init__(self) -> None:
         super().__init__()
-        # storage -> what holds tensors saved on it (weakly: the graph keeps them), swept as it grows
-        self.saved: dict[tuple[torch.device, int], list[weakref.ref[Saved | Through]]] = {}
+        # storage (its address; on another device, a copy too many at worst) -> what holds tensors saved
+        # on it (weakly: the graph keeps them), swept as it grows
+        self.saved: dict[int, list[weakref.ref[Saved | Through]]] = {}
         self.tokens: list[Any] = []
         self.noted, self.sweep_at = 0, 4096
 
-    def note(self, key: tuple[torch.device, int], held: Saved | Through) -> None:
-        refs = self.saved.get(key)
+    def note(self, pointer: int, held: Saved | Through) -> None:
+        refs = self.saved.get(pointer)
         if refs is None:
-            self.saved[key] = [weakref.ref(held)]
+            self.saved[pointer] = [weakref.ref(held)]
         else:
             refs.append(weakref.ref(held))
         self.noted += 1
@@ -137,36 +142,44 @@ class CopyOnWrite(TorchFunctionMode):
     def sweep(self) -> None:
         """Drop what the graphs no longer hold (in place: a note made meanwhile is kept)."""
         live = 0
-        for key, refs in list(self.saved.items()):
+        for pointer, refs in list(self.saved.items()):
             for i in range(len(refs) - 1, -1, -1):
                 if refs[i]() is None:
                     del refs[i]
             if refs:
                 live += len(refs)
             else:
-                self.saved.pop(key, None)
+                self.saved.pop(pointer, None)
         self.noted, self.sweep_at = live, max(4096, 2 * live)
 
     def hold(self, tensor: torch.Tensor) -> Saved:
         saved = Saved(tensor)
-        key = _key(tensor)
-        if key is not None:
-            self.note(key, saved)
+        pointer = _pointer(tensor)
+        if pointer:
+            self.note(pointer, saved)
         return saved
 
     def pack(self, tensor: torch.Tensor) -> Saved:
         # Held detached (same storage and version counter): a saved output held as itself would keep its
         # own node alive through the hook (a reference cycle), past the graph a checkpoint drops. A leaf
-        # (a parameter, a tensor that does not require grad) has no node: held as it is.
-        if tensor.grad_fn is not None:
+        # (a parameter, a tensor that does not require grad) has no node: held as it is. One call per
+        # tensor saved: hold and note inlined.
+        if not tensor.is_leaf:
             tensor = tensor.detach()
-        saved = Saved(tensor)  # CopyOnWrite.hold, inlined: one call per tensor saved
+        saved = Saved(tensor)
         try:
             pointer = tensor.untyped_storage().data_ptr()
         except (RuntimeError, NotImplementedError):
             return saved
         if pointer:
-            self.note((tensor.device, pointer), saved)
+            refs = self.saved.get(pointer)
+            if refs is None:
+                self.saved[pointer] = [weakref.ref(saved)]
+            else:
+                refs.append(weakref.ref(saved))
+            self.noted += 1
+            if self.noted > self.sweep_at:
+                self.sweep()
         return saved
 
     def __enter__(self) -> CopyOnWrite:
@@ -202,7 +215,7 @@ class CopyOnWrite(TorchFunctionMode):
         def through_pack(tensor: torch.Tensor) -> tuple[Through, Any]:
             held = Through(tensor)
             if held.key is not None:
-                self.note(held.key, held)
+                self.note(held.key[1], held)
             return held, pack(tensor.detach())  # detached: see CopyOnWrite.pack
 
         def through_unpack(packed: tuple[Through, Any]) -> torch.Tensor:
@@ -213,8 +226,7 @@ class CopyOnWrite(TorchFunctionMode):
     def _protect(self, tensor: object) -> None:
         if not isinstance(tensor, torch.Tensor):
             return
-        key = _key(tensor)
-        refs = self.saved.pop(key, None) if key is not None else None
+        refs = self.saved.pop(_pointer(tensor), None)
         for ref in refs or ():
             held = ref()
             if held is not None:
