@@ -176,7 +176,7 @@ def test_a_tensor_saved_before_thousands_of_dropped_graphs_is_still_copied(monke
         buf[:] = x
         y = buf * w  # saves buf
         for _ in range(3000):
-            (x * w).sum()  # a graph built and dropped: two tensors saved
+            ((x * 2) * (w * 2)).sum()  # a graph built and dropped: two tensors saved
         buf[:] = 0  # y's backward needs the values buf had
         return y
 
@@ -184,6 +184,36 @@ def test_a_tensor_saved_before_thousands_of_dropped_graphs_is_still_copied(monke
     got = grads(gradpatch.differentiable(sampler)(x, w).square().sum(), x, w)
     assert_grads_equal(got, grads((x * w).square().sum(), x, w))
     assert live and max(live) < 50
+
+
+def test_a_parameter_saved_at_every_step_and_updated_by_a_callback():
+    """A leaf that requires grad is held once while it is unchanged (a parameter saved at every step);
+    the caller's callback updating it under its own ``no_grad`` (an EMA-style step) makes the steps
+    before keep a copy and the steps after save the new values."""
+    x, w = inputs()
+
+    @torch.no_grad()
+    def sampler(x, w, callback):
+        for i in range(4):
+            x = x * w + x
+            callback(i)
+        return x
+
+    def callback(i):
+        if i == 1:
+            with torch.no_grad():
+                w.mul_(0.5)
+
+    w0 = w.detach().clone()
+    out = gradpatch.differentiable(sampler)(x, w, callback)
+    got = grads(out.square().sum(), x, w)
+    with torch.no_grad():
+        w.copy_(w0)
+    want_x = x
+    for i in range(4):
+        value = w if i < 2 else w + (0.5 * w0 - w0)  # the same leaf, its values after the update
+        want_x = want_x * value + want_x
+    assert_grads_equal(got, grads(want_x.square().sum(), x, w))
 
 
 @pytest.mark.parametrize("checkpoint_steps", [False, True])

@@ -128,6 +128,7 @@ class CopyOnWrite(TorchFunctionMode):
         self.saved: dict[int, list[weakref.ref[Saved | Through]]] = {}
         self.tokens: list[Any] = []
         self.noted, self.sweep_at = 0, 4096
+        self.leaves: dict[int, Saved] = {}  # id -> the last hold of a leaf that requires grad (it holds it)
 
     def note(self, pointer: int, held: Saved | Through) -> None:
         refs = self.saved.get(pointer)
@@ -166,6 +167,16 @@ class CopyOnWrite(TorchFunctionMode):
         # tensor saved: hold and note inlined.
         if not tensor.is_leaf:
             tensor = tensor.detach()
+        elif tensor.requires_grad:  # a parameter, the caller's input: saved again at every step
+            saved = self.leaves.get(id(tensor))
+            if saved is not None and saved.tensor is tensor and saved.version == tensor._version \
+                    and saved.copy is None:
+                return saved
+            saved = self.leaves[id(tensor)] = Saved(tensor)
+            pointer = _pointer(tensor)
+            if pointer:
+                self.note(pointer, saved)
+            return saved
         saved = Saved(tensor)
         try:
             pointer = tensor.untyped_storage().data_ptr()
@@ -198,9 +209,7 @@ class CopyOnWrite(TorchFunctionMode):
             setitem_to_modes(False)
             _active.reset(self.tokens.pop())
 
-    @staticmethod
-    def unpack(saved: Saved) -> torch.Tensor:
-        return saved.value()
+    unpack = staticmethod(Saved.value)  # one call per tensor unpacked in backward
 
     def hooks(self) -> Any:
         """The call's saved-tensor hooks; around the caller's own (``save_on_cpu``), which still see
