@@ -152,7 +152,7 @@ def _stepped(real: Callable[..., Any]) -> Callable[..., Any]:
     def step(*args: Any, **kwargs: Any) -> Any:
         state = current.get()
         run = state.family_state if state is not None and state.family == FAMILY else None
-        if run is None or run.inside:
+        if state is None or run is None or run.inside:
             return real(*args, **kwargs)  # elsewhere, or inside a step (CFG calling forward twice)
         return run.step(real, args, kwargs, state.options.checkpoint_steps)
 
