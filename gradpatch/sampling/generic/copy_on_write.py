@@ -24,9 +24,11 @@ C++ extensions writing into a tensor they were given) is not seen; backward then
 version differs) rather than use the new values. Tensors saved inside a checkpointed region are not
 packed here (the checkpoint recomputes them); the region's inputs are (:meth:`CopyOnWrite.hold`).
 Every torch call of the sampler and its networks passes through the mode during the call (a Python
-call each): ``benchmarks/differentiable_overhead.py`` (CPU, one thread, 16 Euler steps of a 3-layer MLP,
-batch 8) measured forward + backward at 2.1x the hand-written reference for width 64 and 1.09x for
-width 1024.
+call each; one dict lookup decides that a call writes nothing), and every tensor saved for backward
+through the pack hook (a parameter saved again at each step is held once):
+``benchmarks/differentiable_overhead.py`` (CPU, one thread, forward + backward against the hand-written
+reference) measured 1.9x for a width-64 MLP (16 Euler steps, batch 8), 1.5x at width 256, 1.05x at width 1024,
+and 1.12x on Chatterbox's S3Gen decoder at its real size (10 steps, 50 frames).
 """
 from __future__ import annotations
 
@@ -41,6 +43,7 @@ from torch.overrides import TorchFunctionMode
 
 from gradpatch.checkpointing.compat import setitem_to_modes, top_saved_tensors_hooks
 from gradpatch.errors import NotDifferentiableError
+from gradpatch.sampling.generic.held import Saved, Through, storage_pointer
 from gradpatch.sampling import run as sampling_run
 
 _AUGMENTED = {"__iadd__": "__add__", "__isub__": "__sub__", "__imul__": "__mul__", "__itruediv__": "__truediv__",
@@ -48,74 +51,6 @@ _AUGMENTED = {"__iadd__": "__add__", "__isub__": "__sub__", "__imul__": "__mul__
               "__imatmul__": "__matmul__", "__iand__": "__and__", "__ior__": "__or__", "__ixor__": "__xor__",
               "__ilshift__": "__lshift__", "__irshift__": "__rshift__"}
 _NOT_WRITES = frozenset({"requires_grad_", "retain_grad", "share_memory_", "record_stream", "__set__", "__get__"})
-
-
-class Saved:
-    """A tensor saved for backward, by reference, until a write makes it keep a copy."""
-
-    __slots__ = ("tensor", "version", "copy", "__weakref__")
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor, self.version = tensor, tensor._version
-        self.copy: torch.Tensor | None = None
-
-    def value(self) -> torch.Tensor:
-        if self.copy is not None:
-            return self.copy
-        if self.tensor._version != self.version:
-            raise RuntimeError("gradpatch.differentiable: a tensor saved for backward was modified in place by "
-                               "an operation that torch does not dispatch through __torch_function__ (a .data "
-                               "copy, a C++ extension); its gradient cannot be computed")
-        return self.tensor
-
-    def protect(self) -> None:
-        """Keep a copy: the tensor is about to be written."""
-        if self.copy is None:
-            with torch.no_grad():
-                self.copy = self.value().detach().clone()
-
-
-class Through:
-    """A tensor saved through another pair of saved-tensor hooks (the caller's, or the sampler's own
-    ``save_on_cpu``), held weakly: those hooks keep what they keep (a copy on the CPU, or the tensor
-    itself). If they kept the tensor itself and it is written, the copy taken before the write is
-    what backward gets."""
-
-    __slots__ = ("ref", "version", "key", "copy", "__weakref__")
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.ref, self.version, self.key = weakref.ref(tensor), tensor._version, _key(tensor)
-        self.copy: torch.Tensor | None = None
-
-    def protect(self) -> None:
-        tensor = self.ref()
-        if self.copy is None and tensor is not None and tensor._version == self.version:
-            with torch.no_grad():
-                self.copy = tensor.detach().clone()
-
-    def value(self, unpacked: torch.Tensor) -> torch.Tensor:
-        """What backward gets, given what the other hooks unpacked."""
-        if self.key is None or _key(unpacked) != self.key:
-            return unpacked  # they kept a copy of their own (moved to the CPU and back, recomputed)
-        if self.copy is not None:
-            return self.copy
-        if unpacked._version != self.version:
-            raise RuntimeError("gradpatch.differentiable: a tensor saved for backward (through saved-tensor hooks "
-                               "that keep it by reference) was modified in place by an operation that gradpatch "
-                               "did not see; its gradient cannot be computed")
-        return unpacked
-
-
-def _pointer(tensor: torch.Tensor) -> int:
-    try:
-        return tensor.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):
-        return 0
-
-
-def _key(tensor: torch.Tensor) -> tuple[torch.device, int] | None:
-    pointer = _pointer(tensor)
-    return (tensor.device, pointer) if pointer else None
 
 
 class CopyOnWrite(TorchFunctionMode):
@@ -155,7 +90,7 @@ class CopyOnWrite(TorchFunctionMode):
 
     def hold(self, tensor: torch.Tensor) -> Saved:
         saved = Saved(tensor)
-        pointer = _pointer(tensor)
+        pointer = storage_pointer(tensor)
         if pointer:
             self.note(pointer, saved)
         return saved
@@ -173,7 +108,7 @@ class CopyOnWrite(TorchFunctionMode):
                     and saved.copy is None:
                 return saved
             saved = self.leaves[id(tensor)] = Saved(tensor)
-            pointer = _pointer(tensor)
+            pointer = storage_pointer(tensor)
             if pointer:
                 self.note(pointer, saved)
             return saved
@@ -235,7 +170,7 @@ class CopyOnWrite(TorchFunctionMode):
     def _protect(self, tensor: object) -> None:
         if not isinstance(tensor, torch.Tensor):
             return
-        refs = self.saved.pop(_pointer(tensor), None)
+        refs = self.saved.pop(storage_pointer(tensor), None)
         for ref in refs or ():
             held = ref()
             if held is not None:

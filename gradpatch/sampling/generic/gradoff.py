@@ -201,13 +201,9 @@ def _train(self: Any, mode: bool = True) -> Any:
     return _ORIGINAL["train"](self, mode)
 
 
-_EMA: dict[str, bool] = {}  # a generator's name -> whether it names an EMA scope
-
-
-def _ema(name: str) -> bool:
-    if name not in _EMA:
-        _EMA[name] = "ema" in name.lower().split("_")
-    return _EMA[name]
+@functools.lru_cache(maxsize=4096)
+def _ema(name: str) -> bool:  # a generator's name names an EMA scope (ema_scope)
+    return "ema" in name.lower().split("_")
 
 
 def _gcm_enter(self: Any) -> Any:
