@@ -1,19 +1,34 @@
 """Time of a ``gradpatch.differentiable`` call (forward + backward) against the same sampler with its
-blockers removed by hand, on CPU, side by side in one run.
+blockers removed by hand, on CPU (one thread), side by side in one run.
 
-A Chatterbox-shaped Euler solver (CFG buffers refilled in place, ``x += v * dt``, ``@inference_mode``)
-around an MLP estimator of width ``--dim`` (3 layers), batch 8, ``--steps`` steps. The reference is the
-same computation written out of place with grad on. Interleaved pairs in alternating order; medians
-and the median of per-pair ratios. The ratio is the cost of the ``__torch_function__`` mode (one Python
-call per torch call), the copy-on-write copies of the overwritten buffers, and the managers' checks.
+MLP rows: a Chatterbox-shaped Euler solver (CFG buffers refilled in place, ``x += v * dt``,
+``@inference_mode``) around an MLP estimator of width ``--dims`` (3 layers), batch 8, ``--steps``
+steps. The reference is the same computation written out of place with grad on.
 
-    python benchmarks/differentiable_overhead.py [--dims 64 1024] [--steps 16] [--pairs 15]
+Flow-matching rows (``--flows``), the catalogued samplers through their patched entry
+(``model(..., cache=False)``, which runs ``gradpatch.differentiable``), each against upstream's loop
+copied by hand with its blockers removed (no decorator, the CFG batch built with ``torch.cat``):
+``s3gen``, Chatterbox's S3Gen decoder (chatterbox-tts: ``CausalConditionalCFM`` with the causal
+``ConditionalDecoder`` at the size ``S3Token2Mel`` builds, 71 M parameters, random weights), on
+``--frames`` mel frames; ``s3gen-tiny``, the same classes at 16 channels
+(:func:`gradpatch.testing_flow.chatterbox_cfm`, what the tests run); ``matcha-tiny``, Matcha-TTS's
+``CFM`` (matcha-tts, :func:`gradpatch.testing_flow.matcha_cfm`: no in-place refills, so only the
+call's machinery). ``--flow-steps`` Euler steps (Chatterbox's default is 10).
+
+Interleaved pairs in alternating order, per-run thread CPU time; the medians and the median of the
+per-pair ratios. The ratio is the cost of the ``__torch_function__`` mode (one Python call per torch
+call), the saved-tensor hooks (one Python call per tensor saved), the copy-on-write copies of the
+overwritten buffers and the call's own setup; the tiny rows are where it shows most.
+
+    python benchmarks/differentiable_overhead.py [--dims 64 256 1024] [--steps 16] [--pairs 15]
+        [--flows s3gen s3gen-tiny matcha-tiny] [--frames 50] [--flow-steps 10] [--flow-pairs 5]
 """
 from __future__ import annotations
 
 import argparse
 import statistics
 import time
+from typing import Any, Callable
 
 import torch
 
@@ -55,20 +70,100 @@ def reference(solver, mu, noise, n):
     return x
 
 
-def timed(run) -> float:
-    start = time.perf_counter()
-    run().square().mean().backward()
-    return time.perf_counter() - start
+def s3gen_reference(model: Any, n: int, mu: Any, mask: Any, spks: Any, cond: Any) -> Any:
+    """``CausalConditionalCFM.forward`` + ``ConditionalCFM.solve_euler`` (chatterbox-tts 0.1.7), out of place."""
+    x, rate, zero = torch.randn_like(mu), model.inference_cfg_rate, torch.zeros_like
+    t_span = 1 - torch.cos(torch.linspace(0, 1, n + 1) * 0.5 * torch.pi)
+    for t, r in zip(t_span[:-1], t_span[1:]):
+        t, r = t[None], r[None]
+        out = model.estimator.forward(x=torch.cat([x, x]), mask=torch.cat([mask, mask]), mu=torch.cat([mu, zero(mu)]),
+                                      t=torch.cat([t, t]), spks=torch.cat([spks, zero(spks)]),
+                                      cond=torch.cat([cond, zero(cond)]), r=None)
+        v, v_uncond = out.chunk(2)
+        x = x + (r - t) * ((1 + rate) * v - rate * v_uncond)
+    return x
+
+
+def matcha_reference(model: Any, n: int, mu: Any, mask: Any) -> Any:
+    """``BASECFM.forward`` + ``BASECFM.solve_euler`` (matcha-tts 0.0.7.2), without the decorator."""
+    x = torch.randn_like(mu)
+    t_span = torch.linspace(0, 1, n + 1)
+    t, dt = t_span[0], t_span[1] - t_span[0]
+    for step in range(1, n + 1):
+        x = x + dt * model.estimator(x, mask, mu, t, None, None)
+        t = t + dt
+        if step < n:
+            dt = t_span[step + 1] - t
+    return x
+
+
+def s3gen_full(frames: int) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """Chatterbox's S3Gen decoder as ``S3Token2Mel`` builds it (chatterbox-tts 0.1.7), random weights."""
+    from chatterbox.models.s3gen.configs import CFM_PARAMS
+    from chatterbox.models.s3gen.decoder import ConditionalDecoder
+    from chatterbox.models.s3gen.flow_matching import CausalConditionalCFM
+
+    torch.manual_seed(0)
+    estimator = ConditionalDecoder(in_channels=320, out_channels=80, causal=True, channels=[256], dropout=0.0,
+                                   attention_head_dim=64, n_blocks=4, num_mid_blocks=12, num_heads=8, act_fn="gelu")
+    model = CausalConditionalCFM(in_channels=240, cfm_params=CFM_PARAMS, n_spks=1, spk_emb_dim=80,
+                                 estimator=estimator).eval()
+    g = torch.Generator().manual_seed(1)
+    kw = dict(mu=torch.randn(1, 80, frames, generator=g), mask=torch.ones(1, 1, frames),
+              spks=torch.randn(1, 80, generator=g), cond=torch.randn(1, 80, frames, generator=g))
+    return model, kw
+
+
+def flow_case(name: str, frames: int) -> tuple[str, torch.nn.Module, dict[str, Any], Callable[..., Any], tuple]:
+    """``(upstream, model, kw, reference, inputs that require grad)``."""
+    from gradpatch import testing_flow
+
+    if name == "s3gen":
+        return ("chatterbox", *s3gen_full(frames), s3gen_reference, ("mu", "spks", "cond"))
+    if name == "s3gen-tiny":
+        return ("chatterbox", *testing_flow.chatterbox_cfm(frames=frames), s3gen_reference, ("mu", "spks", "cond"))
+    if name == "matcha-tiny":
+        return ("matcha", *testing_flow.matcha_cfm(), matcha_reference, ("mu",))
+    raise SystemExit(f"unknown flow {name!r}")
+
+
+def timed(run: Callable[[], Any]) -> float:
+    start = time.thread_time()  # one thread (set_num_threads(1)); CPU backward runs in the calling thread
+    out = run()
+    (out[0] if isinstance(out, tuple) else out).square().mean().backward()
+    return time.thread_time() - start
+
+
+def compare(runs: dict[str, Callable[[], Any]], pairs: int, params: list[torch.Tensor]) -> tuple[float, float, float]:
+    """Median times of ``hand`` and ``ours`` and the median of the per-pair ratios."""
+    for run in runs.values():
+        timed(run)  # warm up
+    times: dict[str, list[float]] = {"hand": [], "ours": []}
+    for pair in range(pairs):
+        for name in (("hand", "ours") if pair % 2 else ("ours", "hand")):
+            for p in params:
+                p.grad = None
+            times[name].append(timed(runs[name]))
+    ratio = statistics.median(o / h for o, h in zip(times["ours"], times["hand"]))
+    return statistics.median(times["hand"]), statistics.median(times["ours"]), ratio
+
+
+def row(name: str, hand: float, ours: float, ratio: float) -> None:
+    print(f"{name:>14}  {1e3 * hand:>12.2f}  {1e3 * ours:>19.2f}  {ratio:>6.2f}", flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--dims", type=int, nargs="+", default=[64, 1024])
+    parser.add_argument("--dims", type=int, nargs="*", default=[64, 256, 1024])
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--pairs", type=int, default=15)
+    parser.add_argument("--flows", nargs="*", default=["s3gen-tiny", "matcha-tiny", "s3gen"])
+    parser.add_argument("--frames", type=int, default=50)
+    parser.add_argument("--flow-steps", type=int, default=10)
+    parser.add_argument("--flow-pairs", type=int, default=5)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    print(f"{'dim':>6}  {'by hand (ms)':>12}  {'differentiable (ms)':>19}  {'ratio':>6}")
+    print(f"{'sampler':>14}  {'by hand (ms)':>12}  {'differentiable (ms)':>19}  {'ratio':>6}", flush=True)
     for dim in args.dims:
         torch.manual_seed(0)
         solver = Solver(dim)
@@ -76,15 +171,16 @@ def main() -> None:
         sample = gradpatch.differentiable(solver.forward, step="estimator", steps="n_timesteps")
         runs = {"hand": lambda: reference(solver, mu, noise, args.steps),
                 "ours": lambda: sample(mu, noise, n_timesteps=args.steps)}
-        for run in runs.values():
-            timed(run)  # warm up
-        times: dict[str, list[float]] = {"hand": [], "ours": []}
-        for pair in range(args.pairs):
-            for name in (("hand", "ours") if pair % 2 else ("ours", "hand")):
-                times[name].append(timed(runs[name]))
-        ratio = statistics.median(o / h for o, h in zip(times["ours"], times["hand"]))
-        print(f"{dim:>6}  {1e3 * statistics.median(times['hand']):>12.2f}  "
-              f"{1e3 * statistics.median(times['ours']):>19.2f}  {ratio:>6.2f}")
+        row(f"mlp {dim}", *compare(runs, args.pairs, [mu, *solver.parameters()]))
+    for flow in args.flows:
+        upstream, model, kw, ref, inputs = flow_case(flow, args.frames)
+        for key in inputs:
+            kw[key] = kw[key].clone().requires_grad_()
+        n = args.flow_steps
+        with gradpatch.applied(upstream):
+            runs = {"hand": lambda: ref(model, n, **kw), "ours": lambda: model(**kw, n_timesteps=n, cache=False)}
+            pairs = args.pairs if "tiny" in flow else args.flow_pairs
+            row(flow, *compare(runs, pairs, [*(kw[key] for key in inputs), *model.parameters()]))
 
 
 if __name__ == "__main__":

@@ -155,6 +155,67 @@ def test_buffers_refilled_and_state_updated_in_place():
     assert_grads_equal(got, grads(cfg_euler(model.estimator, noise, mu, 4).square().sum(), noise, mu, *params))
 
 
+def test_a_tensor_saved_before_thousands_of_dropped_graphs_is_still_copied(monkeypatch):
+    """Copy on write notes each saved tensor weakly, per storage, and sweeps the dead notes as they grow:
+    a call that builds and drops thousands of graphs keeps a small registry, and a buffer saved before
+    them and refilled after is still copied (gradients of the out-of-place computation)."""
+    from gradpatch.sampling.generic.copy_on_write import CopyOnWrite
+
+    live = []
+    sweep = CopyOnWrite.sweep
+
+    def counted(self):
+        sweep(self)
+        live.append(sum(map(len, self.saved.values())))
+
+    monkeypatch.setattr(CopyOnWrite, "sweep", counted)
+
+    @torch.no_grad()
+    def sampler(x, w):
+        buf = torch.zeros(2, 4)
+        buf[:] = x
+        y = buf * w  # saves buf
+        for _ in range(3000):
+            ((x * 2) * (w * 2)).sum()  # a graph built and dropped: two tensors saved
+        buf[:] = 0  # y's backward needs the values buf had
+        return y
+
+    x, w = inputs()
+    got = grads(gradpatch.differentiable(sampler)(x, w).square().sum(), x, w)
+    assert_grads_equal(got, grads((x * w).square().sum(), x, w))
+    assert live and max(live) < 50
+
+
+def test_a_parameter_saved_at_every_step_and_updated_by_a_callback():
+    """A leaf that requires grad is held once while it is unchanged (a parameter saved at every step);
+    the caller's callback updating it under its own ``no_grad`` (an EMA-style step) makes the steps
+    before keep a copy and the steps after save the new values."""
+    x, w = inputs()
+
+    @torch.no_grad()
+    def sampler(x, w, callback):
+        for i in range(4):
+            x = x * w + x
+            callback(i)
+        return x
+
+    def callback(i):
+        if i == 1:
+            with torch.no_grad():
+                w.mul_(0.5)
+
+    w0 = w.detach().clone()
+    out = gradpatch.differentiable(sampler)(x, w, callback)
+    got = grads(out.square().sum(), x, w)
+    with torch.no_grad():
+        w.copy_(w0)
+    want_x = x
+    for i in range(4):
+        value = w if i < 2 else w + (0.5 * w0 - w0)  # the same leaf, its values after the update
+        want_x = want_x * value + want_x
+    assert_grads_equal(got, grads(want_x.square().sum(), x, w))
+
+
 @pytest.mark.parametrize("checkpoint_steps", [False, True])
 @pytest.mark.parametrize("k", [1, 2, 3, 4, 6])
 def test_grad_steps_is_a_graph_through_the_last_k_steps(k, checkpoint_steps):

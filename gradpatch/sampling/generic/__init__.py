@@ -1,7 +1,7 @@
 """gradpatch.differentiable for any sampler: any_sampler (the public function, torch-free), callables (what
 it returns; a string target's fix), call (one call),
-gradoff (the sampler's grad-off managers made inert), copy_on_write (in-place writes), coroutine (async
-samplers)."""
+gradoff (the sampler's grad-off managers made inert), copy_on_write (in-place writes; held: what it holds
+of the tensors saved), coroutine (async samplers)."""
 
 from typing import Any
 

@@ -79,9 +79,10 @@ variable, a result that left torch (``.cpu().numpy()``, ``None`` because it was 
 anything returned with no tensor carrying a graph while something required grad).
 
 **Costs.** Every torch call during the call passes through one Python ``__torch_function__`` mode (copy
-on write): measured on CPU (``benchmarks/differentiable_overhead.py``) at 2.1x the time of the same
-sampler written by hand for a tiny width-64 MLP, 1.09x at width 1024; the overhead is per torch call,
-so it shrinks as the network grows. Tensors saved for backward and overwritten later are copied once.
+on write), and every tensor saved for backward through a Python pack hook: measured on CPU
+(``benchmarks/differentiable_overhead.py``) at 1.9x the time of the same sampler written by hand for a
+tiny width-64 MLP, 1.5x at width 256, 1.05x at width 1024 and 1.12x on Chatterbox's S3Gen decoder at
+its real size; the overhead is per torch call, so it shrinks as the network grows. Tensors saved for backward and overwritten later are copied once.
 The grad-off managers are patched at class level while a call is active (other contexts run torch's
 own code). ``checkpoint_steps`` costs a second forward of each step.
 

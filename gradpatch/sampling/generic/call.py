@@ -112,14 +112,24 @@ class _Run:
         self.sampler, self.total, self.cow, self.count, self.inside = sampler, total, cow, 0, False
         self.live: Any = None  # the call's gradoff.Call
 
-    def step(self, real: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    def step(self, real: Callable[..., Any], args: tuple, kwargs: dict, recomputed: Any) -> Any:
         index, self.count = self.count, self.count + 1
         if self.total is not None and index >= self.total:
             raise RuntimeError(f"gradpatch.differentiable({self.sampler.where}): grad_steps: step was called "
                                f"more than the {self.total} times steps says; step must be what one sampler step "
                                "calls once (pass the method one step calls, or use checkpoint_steps)")
-        held = {id(a): (self.cow.hold(a), a.requires_grad) for a in (*args, *kwargs.values())
-                if isinstance(a, torch.Tensor)}
+        fn = self._as_was(real, args, kwargs) if recomputed else real  # else evaluated once, now
+        self.inside = True
+        try:
+            return clean(run_step(index, self.total or 0, fn, *args, **kwargs))
+        finally:
+            self.inside = False
+
+    def _as_was(self, real: Callable[..., Any], args: tuple, kwargs: dict) -> Callable[..., Any]:
+        """``real`` on the inputs as they are now, also in a checkpoint recompute (checkpoint_steps)."""
+        with torch._C.DisableTorchFunction():  # gradpatch's own reads, not the sampler's torch calls
+            held = {id(a): (self.cow.hold(a), a.requires_grad) for a in (*args, *kwargs.values())
+                    if isinstance(a, torch.Tensor)}
 
         def was(x: Any) -> Any:  # an input as it was, requires_grad included (a buffer refilled later may
             if id(x) not in held:  # have gained it), or the recompute saves other tensors (CheckpointError)
@@ -132,11 +142,7 @@ class _Run:
         def evaluate(*a: Any, **k: Any) -> Any:  # in a checkpoint recompute: the inputs as they were
             return real(*(was(x) for x in a), **{n: was(x) for n, x in k.items()})
 
-        self.inside = True
-        try:
-            return clean(run_step(index, self.total or 0, evaluate, *args, **kwargs))
-        finally:
-            self.inside = False
+        return evaluate
 
 
 def _stepped(real: Callable[..., Any]) -> Callable[..., Any]:
@@ -146,9 +152,9 @@ def _stepped(real: Callable[..., Any]) -> Callable[..., Any]:
     def step(*args: Any, **kwargs: Any) -> Any:
         state = current.get()
         run = state.family_state if state is not None and state.family == FAMILY else None
-        if run is None or run.inside:
+        if state is None or run is None or run.inside:
             return real(*args, **kwargs)  # elsewhere, or inside a step (CFG calling forward twice)
-        return run.step(real, args, kwargs)
+        return run.step(real, args, kwargs, state.options.checkpoint_steps)
 
     return step
 
@@ -161,7 +167,8 @@ def _modes_kept(objects: list[Any]) -> Iterator[None]:
         yield
     finally:
         for module, flag in flags:
-            module.training = flag
+            if module.training is not flag:
+                module.training = flag
         for root in {id(o): o for o in objects if isinstance(o, torch.nn.Module)}.values():
             _new_children_follow(root, modules)
 

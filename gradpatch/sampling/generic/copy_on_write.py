@@ -24,9 +24,11 @@ C++ extensions writing into a tensor they were given) is not seen; backward then
 version differs) rather than use the new values. Tensors saved inside a checkpointed region are not
 packed here (the checkpoint recomputes them); the region's inputs are (:meth:`CopyOnWrite.hold`).
 Every torch call of the sampler and its networks passes through the mode during the call (a Python
-call each): ``benchmarks/differentiable_overhead.py`` (CPU, one thread, 16 Euler steps of a 3-layer MLP,
-batch 8) measured forward + backward at 2.1x the hand-written reference for width 64 and 1.09x for
-width 1024.
+call each; one dict lookup decides that a call writes nothing), and every tensor saved for backward
+through the pack hook (a parameter saved again at each step is held once):
+``benchmarks/differentiable_overhead.py`` (CPU, one thread, forward + backward against the hand-written
+reference) measured 1.9x for a width-64 MLP (16 Euler steps, batch 8), 1.5x at width 256, 1.05x at width 1024,
+and 1.12x on Chatterbox's S3Gen decoder at its real size (10 steps, 50 frames).
 """
 from __future__ import annotations
 
@@ -41,6 +43,7 @@ from torch.overrides import TorchFunctionMode
 
 from gradpatch.checkpointing.compat import setitem_to_modes, top_saved_tensors_hooks
 from gradpatch.errors import NotDifferentiableError
+from gradpatch.sampling.generic.held import Saved, Through, storage_pointer
 from gradpatch.sampling import run as sampling_run
 
 _AUGMENTED = {"__iadd__": "__add__", "__isub__": "__sub__", "__imul__": "__mul__", "__itruediv__": "__truediv__",
@@ -50,90 +53,80 @@ _AUGMENTED = {"__iadd__": "__add__", "__isub__": "__sub__", "__imul__": "__mul__
 _NOT_WRITES = frozenset({"requires_grad_", "retain_grad", "share_memory_", "record_stream", "__set__", "__get__"})
 
 
-class Saved:
-    """A tensor saved for backward, by reference, until a write makes it keep a copy."""
-
-    __slots__ = ("tensor", "version", "copy", "__weakref__")
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor, self.version = tensor, tensor._version
-        self.copy: torch.Tensor | None = None
-
-    def value(self) -> torch.Tensor:
-        if self.copy is not None:
-            return self.copy
-        if self.tensor._version != self.version:
-            raise RuntimeError("gradpatch.differentiable: a tensor saved for backward was modified in place by "
-                               "an operation that torch does not dispatch through __torch_function__ (a .data "
-                               "copy, a C++ extension); its gradient cannot be computed")
-        return self.tensor
-
-    def protect(self) -> None:
-        """Keep a copy: the tensor is about to be written."""
-        if self.copy is None:
-            with torch.no_grad():
-                self.copy = self.value().detach().clone()
-
-
-class Through:
-    """A tensor saved through another pair of saved-tensor hooks (the caller's, or the sampler's own
-    ``save_on_cpu``), held weakly: those hooks keep what they keep (a copy on the CPU, or the tensor
-    itself). If they kept the tensor itself and it is written, the copy taken before the write is
-    what backward gets."""
-
-    __slots__ = ("ref", "version", "key", "copy", "__weakref__")
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.ref, self.version, self.key = weakref.ref(tensor), tensor._version, _key(tensor)
-        self.copy: torch.Tensor | None = None
-
-    def protect(self) -> None:
-        tensor = self.ref()
-        if self.copy is None and tensor is not None and tensor._version == self.version:
-            with torch.no_grad():
-                self.copy = tensor.detach().clone()
-
-    def value(self, unpacked: torch.Tensor) -> torch.Tensor:
-        """What backward gets, given what the other hooks unpacked."""
-        if self.key is None or _key(unpacked) != self.key:
-            return unpacked  # they kept a copy of their own (moved to the CPU and back, recomputed)
-        if self.copy is not None:
-            return self.copy
-        if unpacked._version != self.version:
-            raise RuntimeError("gradpatch.differentiable: a tensor saved for backward (through saved-tensor hooks "
-                               "that keep it by reference) was modified in place by an operation that gradpatch "
-                               "did not see; its gradient cannot be computed")
-        return unpacked
-
-
-def _key(tensor: torch.Tensor) -> tuple[str, int] | None:
-    try:
-        storage = tensor.untyped_storage()
-    except (RuntimeError, NotImplementedError):
-        return None
-    pointer = storage.data_ptr()
-    return (str(tensor.device), pointer) if pointer else None
-
-
 class CopyOnWrite(TorchFunctionMode):
     """The mode and the pack/unpack hooks of one call (module docstring)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.saved: dict[tuple[str, int], weakref.WeakSet[Saved | Through]] = {}
+        # storage (its address; on another device, a copy too many at worst) -> what holds tensors saved
+        # on it (weakly: the graph keeps them), swept as it grows
+        self.saved: dict[int, list[weakref.ref[Saved | Through]]] = {}
         self.tokens: list[Any] = []
+        self.noted, self.sweep_at = 0, 4096
+        self.leaves: dict[int, Saved] = {}  # id -> the last hold of a leaf that requires grad (it holds it)
+
+    def note(self, pointer: int, held: Saved | Through) -> None:
+        refs = self.saved.get(pointer)
+        if refs is None:
+            self.saved[pointer] = [weakref.ref(held)]
+        else:
+            refs.append(weakref.ref(held))
+        self.noted += 1
+        if self.noted > self.sweep_at:
+            self.sweep()
+
+    def sweep(self) -> None:
+        """Drop what the graphs no longer hold (in place: a note made meanwhile is kept)."""
+        live = 0
+        for pointer, refs in list(self.saved.items()):
+            for i in range(len(refs) - 1, -1, -1):
+                if refs[i]() is None:
+                    del refs[i]
+            if refs:
+                live += len(refs)
+            else:
+                self.saved.pop(pointer, None)
+        self.noted, self.sweep_at = live, max(4096, 2 * live)
 
     def hold(self, tensor: torch.Tensor) -> Saved:
         saved = Saved(tensor)
-        key = _key(tensor)
-        if key is not None:
-            self.saved.setdefault(key, weakref.WeakSet()).add(saved)
+        pointer = storage_pointer(tensor)
+        if pointer:
+            self.note(pointer, saved)
         return saved
 
     def pack(self, tensor: torch.Tensor) -> Saved:
         # Held detached (same storage and version counter): a saved output held as itself would keep its
-        # own node alive through the hook (a reference cycle), past the graph a checkpoint drops.
-        return self.hold(tensor.detach())
+        # own node alive through the hook (a reference cycle), past the graph a checkpoint drops. A leaf
+        # (a parameter, a tensor that does not require grad) has no node: held as it is. One call per
+        # tensor saved: hold and note inlined.
+        if not tensor.is_leaf:
+            tensor = tensor.detach()
+        elif tensor.requires_grad:  # a parameter, the caller's input: saved again at every step
+            saved = self.leaves.get(id(tensor))
+            if saved is not None and saved.tensor is tensor and saved.version == tensor._version \
+                    and saved.copy is None:
+                return saved
+            saved = self.leaves[id(tensor)] = Saved(tensor)
+            pointer = storage_pointer(tensor)
+            if pointer:
+                self.note(pointer, saved)
+            return saved
+        saved = Saved(tensor)
+        try:
+            pointer = tensor.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError):
+            return saved
+        if pointer:
+            refs = self.saved.get(pointer)
+            if refs is None:
+                self.saved[pointer] = [weakref.ref(saved)]
+            else:
+                refs.append(weakref.ref(saved))
+            self.noted += 1
+            if self.noted > self.sweep_at:
+                self.sweep()
+        return saved
 
     def __enter__(self) -> CopyOnWrite:
         run = sampling_run.current.get()
@@ -151,9 +144,7 @@ class CopyOnWrite(TorchFunctionMode):
             setitem_to_modes(False)
             _active.reset(self.tokens.pop())
 
-    @staticmethod
-    def unpack(saved: Saved) -> torch.Tensor:
-        return saved.value()
+    unpack = staticmethod(Saved.value)  # one call per tensor unpacked in backward
 
     def hooks(self) -> Any:
         """The call's saved-tensor hooks; around the caller's own (``save_on_cpu``), which still see
@@ -164,12 +155,11 @@ class CopyOnWrite(TorchFunctionMode):
 
     def compose(self, pack: Callable[[torch.Tensor], Any], unpack: Callable[[Any], torch.Tensor]) -> tuple:
         """``(pack, unpack)`` passing each tensor to ``pack`` and ``unpack`` with copy on write around them."""
-        saved = self.saved
 
         def through_pack(tensor: torch.Tensor) -> tuple[Through, Any]:
             held = Through(tensor)
             if held.key is not None:
-                saved.setdefault(held.key, weakref.WeakSet()).add(held)
+                self.note(held.key[1], held)
             return held, pack(tensor.detach())  # detached: see CopyOnWrite.pack
 
         def through_unpack(packed: tuple[Through, Any]) -> torch.Tensor:
@@ -180,35 +170,61 @@ class CopyOnWrite(TorchFunctionMode):
     def _protect(self, tensor: object) -> None:
         if not isinstance(tensor, torch.Tensor):
             return
-        key = _key(tensor)
-        held = self.saved.pop(key, None) if key is not None else None
-        for saved in list(held or ()):
-            saved.protect()
+        refs = self.saved.pop(storage_pointer(tensor), None)
+        for ref in refs or ():
+            held = ref()
+            if held is not None:
+                held.protect()
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
-        name = getattr(func, "__name__", "")
-        if name == "numpy" and args and isinstance(args[0], torch.Tensor) and args[0].requires_grad:
-            frame = sys._getframe(1)
+        # Most torch calls write nothing: one dict lookup decides (func -> its kind, cached), then the call.
+        try:
+            kind = _KINDS[func]
+        except (KeyError, TypeError):
+            kind = _kind(func)
+        if kind is _PLAIN and (not kwargs or kwargs.get("out") is None):
+            return func(*args, **kwargs) if kwargs else func(*args)
+        return self._handled(func, kind, args, kwargs or {})
+
+    def _handled(self, func: Any, kind: str, args: tuple, kwargs: dict) -> Any:
+        if kind == "numpy" and args and isinstance(args[0], torch.Tensor) and args[0].requires_grad:
+            frame = sys._getframe(2)
             raise NotDifferentiableError(
                 f"gradpatch.differentiable: .numpy() at {frame.f_code.co_filename}:{frame.f_lineno} takes the result "
                 "out of torch, where gradients cannot follow. Differentiate the tensor before the conversion "
                 "(call the part of the sampler that returns it)")
-        if name in _AUGMENTED and args and isinstance(args[0], torch.Tensor) and args[0].is_leaf \
+        name = getattr(func, "__name__", "")
+        if kind == "augmented" and args and isinstance(args[0], torch.Tensor) and args[0].is_leaf \
                 and args[0].requires_grad and torch.is_grad_enabled():
             return getattr(torch.Tensor, _AUGMENTED[name])(*args, **kwargs)  # x += v: rebinds x, out of place
-        if args and (name == "__setitem__" or name in _AUGMENTED
-                     or (name.endswith("_") and not name.startswith("_") and name not in _NOT_WRITES)):
+        if args and kind in ("augmented", "write"):
             self._protect(args[0])
             target = args[0]
-            if isinstance(target, torch.Tensor) and target.requires_grad and target._base is None \
-                    and not torch.is_grad_enabled() and getattr(sampling_run.current.get(), "cut", False):
+            if not torch.is_grad_enabled() and isinstance(target, torch.Tensor) and target.requires_grad \
+                    and target._base is None and getattr(sampling_run.current.get(), "cut", False):
                 target.detach_()  # grad_steps: a state updated in place in an early step leaves the graph
         out = kwargs.get("out")
         if out is not None:
             for tensor in out if isinstance(out, (tuple, list)) else (out,):
                 self._protect(tensor)
         return func(*args, **kwargs)
+
+
+_PLAIN = "plain"
+_KINDS: dict[Any, str] = {}  # a torch function -> _PLAIN, "numpy", "augmented" or "write" (by its name)
+
+
+def _kind(func: Any) -> str:
+    name = getattr(func, "__name__", "")
+    kind = "numpy" if name == "numpy" else "augmented" if name in _AUGMENTED else "write" \
+        if name == "__setitem__" or (name.endswith("_") and not name.startswith("_") and name not in _NOT_WRITES) \
+        else _PLAIN
+    try:
+        if len(_KINDS) < 4096:  # bounded: functions made on the fly would each add one
+            _KINDS[func] = kind
+    except TypeError:  # not hashable
+        pass
+    return kind
 
 
 # Saved-tensor hooks that the sampler pushes during a call (its own ``save_on_cpu``) would hide the tensors

@@ -201,10 +201,15 @@ def _train(self: Any, mode: bool = True) -> Any:
     return _ORIGINAL["train"](self, mode)
 
 
+@functools.lru_cache(maxsize=4096)
+def _ema(name: str) -> bool:  # a generator's name names an EMA scope (ema_scope)
+    return "ema" in name.lower().split("_")
+
+
 def _gcm_enter(self: Any) -> Any:
     call = _active.get()
     name = getattr(getattr(getattr(self, "gen", None), "gi_code", None), "co_name", "")
-    if call is not None and "ema" in name.lower().split("_") and in_sampler(sys._getframe(1), call):
+    if call is not None and _ema(name) and in_sampler(sys._getframe(1), call):
         raise NotDifferentiableError(
             f"gradpatch.differentiable({call.where}): {name}() at {_where(sys._getframe(1))} swaps EMA weights "
             "into the model (copies through .data, invisible to autograd), so the graph would be built on "
