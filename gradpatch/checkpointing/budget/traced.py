@@ -11,10 +11,12 @@ recomputes it. Gradients are those of the block either way.
 :data:`~gradpatch.checkpointing.budget.planner.TIMING_CALLS` steps, or new blocks: another shape
 bucket, a change of training mode or of trainable parameters), a block the plan does not know yet is
 run eagerly, outside the graph (``torch._dynamo.disable``): a graph break per block during those
-steps only. Once the plan is solved, the code objects compiled while measuring (and those compiled
-with an earlier plan) are dropped from dynamo's cache (``torch._dynamo.reset_code``, after the step's
-backward began), so the next call compiles the model anew, whole, with the plan baked in. Other code
-objects keep their compiled code. Kept blocks are kept at input sizes up to the largest measured
+steps only. Once the plan is solved, the compilations made while measuring (and those made with an
+earlier plan) are invalidated in dynamo's cache once the step's backward began (each cache entry by
+its compile id, as dynamo invalidates the entries guarding an object that died; where this torch has
+no such entries, the code object's whole cache goes: ``torch._dynamo.reset_code``), so the next call
+compiles the model anew, whole, with the plan baked in. Other compiled code, the user's other models
+compiled through the same wrapper included, keeps its entries. Kept blocks are kept at input sizes up to the largest measured
 (shapes are static in a trace); a larger one is measured again, eagerly.
 
 **Where it cannot plan** the block is recomputed through torch's checkpoint, as under ``respect``, and
@@ -47,8 +49,8 @@ from gradpatch.checkpointing.compat import autocast_dtype, autocast_enabled
 
 KEEP, RECOMPUTE, EAGER = "keep", "recompute", "eager"
 
-#: Code objects dynamo compiled with a decision of ours inside: code -> the plans (lists) it was
-#: traced with, None while measuring. Dropped from dynamo's cache when one is not the solved plan.
+#: Compilations with a decision of ours inside: code object -> [(compile id, the plan (a list) it was
+#: traced with, None while measuring)]. Invalidated when their plan is not the solved one.
 _CODES: dict[Any, list] = {}
 #: Resets made; past :data:`RESETS` the plan is no longer pushed into compiled code (no endless
 #: recompilation where the plan keeps changing): what is compiled stays as it is.
@@ -138,9 +140,15 @@ def _record(plan: Any) -> None:
 
 
 def _note(code: Any, plan: Any) -> None:
+    try:
+        from torch._guards import CompileContext
+
+        compile_id = CompileContext.current_compile_id()
+    except Exception:  # another torch: the code's whole cache is reset
+        compile_id = None
     traced = _CODES.setdefault(code, [])
-    if not any(p is plan for p in traced):
-        traced.append(plan)
+    if not any(c == compile_id and p is plan for c, p in traced):
+        traced.append((compile_id, plan))
 
 
 def _breakable(check: bool = True) -> Any:
@@ -184,29 +192,47 @@ def check(policy: str, out: Any = None) -> None:
     plan = PLANNER.plans.get(size) if PLANNER.solved_for == size else None
     if plan is None:
         return
-    stale = [code for code, traced in _CODES.items() if any(p is not plan for p in traced)]
+    stale = []
+    for code, traced in list(_CODES.items()):
+        ids = {c for c, p in traced if p is not plan}
+        if ids:
+            stale.append((code, ids))
+            _CODES[code] = [(c, p) for c, p in traced if c not in ids]  # invalidated once
     if not stale:
         return
-    for code in stale:
-        del _CODES[code]  # reset once
     tensor = next((t for t in (out if isinstance(out, (tuple, list)) else (out,))
                    if isinstance(t, Tensor) and t.requires_grad), None)
     if tensor is None:
-        _reset(stale)
+        _invalidate(stale)
     else:
-        tensor.register_hook(lambda grad: _reset(stale) or grad)
+        tensor.register_hook(lambda grad: _invalidate(stale) or grad)
 
 
-def _reset(codes: list) -> None:
+def _invalidate(stale: list[tuple[Any, set]]) -> None:
+    """Invalidate these compilations (code object, compile ids) in dynamo's cache."""
     _state["resets"] += 1
-    for code in codes:
-        torch._dynamo.reset_code(code)
+    for code, ids in stale:
+        try:
+            from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+            from torch._dynamo.guards import DeletedGuardManagerWrapper
+
+            if None in ids:
+                raise LookupError("compile ids unknown")
+            for entry in _debug_get_cache_entry_list(code):
+                manager = entry.guard_manager
+                if entry.compile_id in ids and not isinstance(manager, DeletedGuardManagerWrapper):
+                    manager.extra_state.invalidate(
+                        manager.cache_entry, DeletedGuardManagerWrapper("gradpatch: the checkpoint plan changed"))
+        except Exception:  # not this torch's cache layout: the code object's whole cache
+            torch._dynamo.reset_code(code)
+        if not _CODES.get(code, True):
+            del _CODES[code]
 
 
 def forget() -> None:
-    """Drop every code compiled with a plan (:func:`gradpatch.checkpointing.budget.reset`): the next
-    calls measure again."""
-    codes = list(_CODES)
+    """Invalidate every compilation made with a plan (:func:`gradpatch.checkpointing.budget.reset`):
+    the next calls measure again."""
+    stale = [(code, {c for c, _ in traced}) for code, traced in _CODES.items()]
     _CODES.clear()
-    for code in codes:
-        torch._dynamo.reset_code(code)
+    if stale:
+        _invalidate(stale)
