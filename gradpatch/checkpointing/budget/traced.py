@@ -127,7 +127,9 @@ def _measure_here(plan: Any, why: str) -> str:
     anew once the plan is solved); otherwise ``RECOMPUTE``, noted for the warning."""
     code = _breakable()
     if code is None:
-        compiled.note(why)
+        if not _inside_op():  # (inside another op, such as a recomputed block, its decision rules)
+            compiled.note(why)
+        _record(None)  # compiled again once a plan is solved (measured by eager steps elsewhere)
         return RECOMPUTE
     _note(code, plan)
     return EAGER
@@ -149,6 +151,15 @@ def _note(code: Any, plan: Any) -> None:
     traced = _CODES.setdefault(code, [])
     if not any(c == compile_id and p is plan for c, p in traced):
         traced.append((compile_id, plan))
+
+
+def _inside_op() -> bool:
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        return InstructionTranslator.current_tx().output.current_tracer.parent is not None
+    except Exception:
+        return False
 
 
 def _breakable(check: bool = True) -> Any:
@@ -183,35 +194,48 @@ def _eager(eager: Callable[..., Any], func: Callable[..., Any], args: tuple, kwa
 
 
 def check(policy: str, out: Any = None) -> None:
-    """Drop from dynamo's cache the code compiled with another plan than the solved one, once the
-    step's backward begins (``out``'s gradient; at once if none): the step under way keeps running
-    the code it started with."""
+    """Invalidate the compilations made with another plan than the solved one, once the step's
+    backward begins (``out``'s gradient; at once if none): the step under way keeps running the code
+    it started with."""
     if not _CODES or _state["resets"] >= RESETS or _state["inside"] and out is None:
         return  # (inside _eager: checked after the call, with its output)
     size = settings.budget_bytes(policy)
     plan = PLANNER.plans.get(size) if PLANNER.solved_for == size else None
-    if plan is None:
-        return
-    stale = []
-    for code, traced in list(_CODES.items()):
-        ids = {c for c, p in traced if p is not plan}
-        if ids:
-            stale.append((code, ids))
-            _CODES[code] = [(c, p) for c, p in traced if c not in ids]  # invalidated once
-    if not stale:
+    if plan is None or not _stale(plan):
         return
     tensor = next((t for t in (out if isinstance(out, (tuple, list)) else (out,))
                    if isinstance(t, Tensor) and t.requires_grad), None)
     if tensor is None:
-        _invalidate(stale)
-    else:
-        tensor.register_hook(lambda grad: _invalidate(stale) or grad)
+        _invalidate(_stale(plan))
+    else:  # (a hook per call until one fires: the first finds them, the others nothing)
+        def hook(grad: Tensor) -> Tensor:
+            _invalidate(_stale(plan))
+            return grad
+
+        tensor.register_hook(hook)
+
+
+def _stale(plan: Any) -> list[tuple[Any, set]]:
+    """The compilations made with another plan than ``plan``: (code object, compile ids)."""
+    found = []
+    for code, traced in _CODES.items():
+        ids = {c for c, p in traced if p is not plan}
+        if ids:
+            found.append((code, ids))
+    return found
 
 
 def _invalidate(stale: list[tuple[Any, set]]) -> None:
     """Invalidate these compilations (code object, compile ids) in dynamo's cache."""
+    if not stale:
+        return
     _state["resets"] += 1
     for code, ids in stale:
+        left = [(c, p) for c, p in _CODES.get(code, ()) if c not in ids]
+        if left:
+            _CODES[code] = left
+        else:
+            _CODES.pop(code, None)
         try:
             from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
             from torch._dynamo.guards import DeletedGuardManagerWrapper
@@ -219,14 +243,12 @@ def _invalidate(stale: list[tuple[Any, set]]) -> None:
             if None in ids:
                 raise LookupError("compile ids unknown")
             for entry in _debug_get_cache_entry_list(code):
-                manager = entry.guard_manager
+                manager: Any = entry.guard_manager
                 if entry.compile_id in ids and not isinstance(manager, DeletedGuardManagerWrapper):
                     manager.extra_state.invalidate(
                         manager.cache_entry, DeletedGuardManagerWrapper("gradpatch: the checkpoint plan changed"))
         except Exception:  # not this torch's cache layout: the code object's whole cache
             torch._dynamo.reset_code(code)
-        if not _CODES.get(code, True):
-            del _CODES[code]
 
 
 def forget() -> None:
