@@ -16,15 +16,16 @@ earlier plan) are invalidated in dynamo's cache once the step's backward began (
 its compile id, as dynamo invalidates the entries guarding an object that died; where this torch has
 no such entries, the code object's whole cache goes: ``torch._dynamo.reset_code``), so the next call
 compiles the model anew, whole, with the plan baked in. Other compiled code, the user's other models
-compiled through the same wrapper included, keeps its entries. Kept blocks are kept at input sizes up to the largest measured
-(shapes are static in a trace); a larger one is measured again, eagerly.
+compiled through the same wrapper included, keeps its entries. Kept blocks are kept at input sizes
+up to the largest measured (shapes are static in a trace); a larger one is measured again, eagerly.
 
 **Where it cannot plan** the block is recomputed through torch's checkpoint, as under ``respect``, and
 one :class:`gradpatch.errors.ConfigWarning` per process says so
 (:mod:`gradpatch.checkpointing.budget.compiled`): a block not yet measured where no graph break is
-allowed (``fullgraph=True``, ``torch.export``, inside another higher-order op such as a user's own
-checkpoint, tracing outside dynamo), a block traced with dynamic shapes (the bytes it keeps have no
-bound), functions other than module methods.
+allowed (``fullgraph=True``, ``torch.export``, tracing outside dynamo), a block traced with dynamic
+shapes (the bytes it keeps have no bound; ``dynamic=False`` compiles each shape apart). Inside
+another higher-order op (a recomputed block, a user's own checkpoint) a block is recomputed with it,
+silently: the outer op decides. Functions other than module methods are recomputed, as eagerly.
 
 Estimates: the plan's figures are eager measurements. In the compiled graph a kept block keeps what
 the compiler's partitioner saves for it (often less: it recomputes cheap pointwise work itself) and
@@ -67,11 +68,13 @@ def run(func: Callable[..., Any], args: tuple, kwargs: dict | None, policy: str,
         return paths.run(func, args, kwargs)
     owner, function = func.__self__, func.__func__
     values = args if kwargs is None else (*args, *kwargs.values())
-    meta = tuple((tuple(d if type(d) is int else -1 for d in v.shape), v.dtype, v.device, v.requires_grad)
-                 if isinstance(v, Tensor) else None for v in values)
-    amp = (autocast_enabled("cpu") and autocast_dtype("cpu"), autocast_enabled("cuda") and autocast_dtype("cuda"))
+    # (read before _phase: dynamo gives an input its symbolic sizes when first used)
+    meta = tuple((tuple(v.shape), v.dtype, v.device, v.requires_grad) if isinstance(v, Tensor) else None
+                 for v in values)
     choice = _phase(policy)
-    if choice == KEEP:  # the plan is solved: this block's own decision
+    if choice == KEEP:  # the plan is solved: this block's own decision (static shapes: plain ints)
+        amp = (autocast_enabled("cpu") and autocast_dtype("cpu"),
+               autocast_enabled("cuda") and autocast_dtype("cuda"))
         choice = _decide(owner, function, amp, meta, policy)
     if choice == KEEP:
         return func(*args, **(kwargs or {}))
@@ -84,7 +87,10 @@ def run(func: Callable[..., Any], args: tuple, kwargs: dict | None, policy: str,
 def _phase(policy: str) -> str:
     """At trace time, without the block (no guard on the module: one compiled code for all its
     instances while measuring): ``EAGER`` while the plan is not solved, ``KEEP`` to ask
-    :func:`_decide`, ``RECOMPUTE`` where nothing can be measured."""
+    :func:`_decide`, ``RECOMPUTE`` where nothing can be measured or bounded."""
+    if _symbolic():
+        compiled.note("dynamic shapes in the compiled region (the bytes a block keeps have no bound)")
+        return RECOMPUTE
     if PLANNER.solved_for == settings.budget_bytes(policy):
         return KEEP
     return _measure_here(None, "a block not measured yet where the graph may not break")
@@ -94,9 +100,6 @@ def _phase(policy: str) -> str:
 def _decide(owner: torch.nn.Module, function: Any, amp: tuple, meta: tuple, policy: str) -> str:
     """At trace time: this block's decision in the solved plan, or ``EAGER`` to measure it (unknown,
     not in the plan, or larger than measured)."""
-    if any(m is not None and -1 in m[0] for m in meta):
-        compiled.note("a block traced with dynamic shapes (the bytes it keeps have no bound)")
-        return RECOMPUTE
     size = settings.budget_bytes(policy)
     key = (function, state(owner), (*amp, *[None if m is None else (bucket(m[0]), *m[1:]) for m in meta]))
     per_owner = PLANNER.blocks.get(owner)
@@ -113,6 +116,21 @@ def _decide(owner: torch.nn.Module, function: Any, amp: tuple, meta: tuple, poli
         return _measure_here(plan, "a kept block at larger inputs than measured where the graph may not break")
     _record(plan)
     return KEEP if block.keep else RECOMPUTE
+
+
+def _symbolic() -> bool:
+    """Whether the trace under way has symbolic sizes (dynamic shapes): blocks are not planned there."""
+    try:
+        from torch._guards import TracingContext
+
+        context = TracingContext.try_get()
+        shape_env = None if context is None else context.fake_mode.shape_env
+        if shape_env is None:
+            return False
+        sizes = getattr(shape_env, "backed_var_to_val", None)  # torch 2.14's name
+        return bool(shape_env.var_to_val if sizes is None else sizes)
+    except Exception:
+        return False
 
 
 def _numel(shape: tuple) -> int:
