@@ -124,7 +124,8 @@ def _symbolic() -> bool:
         from torch._guards import TracingContext
 
         context = TracingContext.try_get()
-        shape_env = None if context is None else context.fake_mode.shape_env
+        fake = None if context is None else context.fake_mode
+        shape_env = None if fake is None else fake.shape_env
         if shape_env is None:
             return False
         sizes = getattr(shape_env, "backed_var_to_val", None)  # torch 2.14's name
