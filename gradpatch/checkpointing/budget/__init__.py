@@ -6,8 +6,9 @@ Modules: :mod:`~gradpatch.checkpointing.budget.policy` (each call, :func:`checkp
 :mod:`~gradpatch.checkpointing.budget.key` (what a block is keyed by),
 :mod:`~gradpatch.checkpointing.budget.measure` (measuring a call),
 :mod:`~gradpatch.checkpointing.budget.knapsack` (choosing, torch-free),
-:mod:`~gradpatch.checkpointing.budget.report` (:class:`Plan`, torch-free) and
-:mod:`~gradpatch.checkpointing.budget.compiled` (the torch.compile warning). This package's own import
+:mod:`~gradpatch.checkpointing.budget.report` (:class:`Plan`, torch-free),
+:mod:`~gradpatch.checkpointing.budget.traced` (the plan inside torch.compile regions) and
+:mod:`~gradpatch.checkpointing.budget.compiled` (the warning where a compiled region cannot plan). This package's own import
 is torch-free: the run-time names load :mod:`~gradpatch.checkpointing.budget.policy` on first use.
 
 A block is a module's method passed to :func:`gradpatch.checkpointing.checkpoint.checkpoint` with
@@ -50,9 +51,11 @@ unchanged shapes stay kept, so the kept total never exceeds the last plan's.
 
 A block called several times per step (shared weights), or measured again before an earlier call's
 backward, counts as many times as its calls' graphs were alive at once. Limits: only module methods
-are planned (other functions are always checkpointed); blocks inside torch.compile regions take
-torch's checkpoint and are always recomputed (one ``ConfigWarning`` says so; see
-:mod:`~gradpatch.checkpointing.budget.compiled`); blocks whose first call goes to torch's own
+are planned (other functions are always checkpointed); blocks inside torch.compile regions are
+planned too, measured eagerly on the first steps and the plan then compiled in
+(:mod:`~gradpatch.checkpointing.budget.traced`), except where no graph break is allowed before they
+are measured (``fullgraph=True``), or with dynamic shapes: those take torch's checkpoint and are
+recomputed (one ``ConfigWarning`` says so); blocks whose first call goes to torch's own
 checkpoint (the graph path at once: a sharding engine's modules inside, a DataParallel replica) cannot
 be counted and are always recomputed, which the plan's summary says, with why; a few buckets that
 alternate from step to step are planned together, as if all were alive in one step (within the

@@ -1,25 +1,39 @@
-"""The ``budget:<size>`` policy and torch.compile: one warning that compiled regions are not planned.
+"""The ``budget:<size>`` policy and torch.compile: one warning where a compiled region cannot plan a block.
 
-Inside a region torch.compile traces, the fixed checkpoint takes the graph path (torch's own
-non-reentrant checkpoint, which the compiler understands) and the planner cannot measure or keep a
-block: each checkpointed block there is recomputed, as under ``respect``. Memory there is then at most
-``respect``'s, and none of the time the budget would buy is saved; blocks run eagerly are planned as
-usual. So that this is not silent, the first compilation that ends while the policy is in force warns
-once per process (:class:`gradpatch.errors.ConfigWarning`). A warning cannot be issued from code being
+Compiled regions are planned (:mod:`gradpatch.checkpointing.budget.traced`): each checkpointed block
+there is traced kept or recomputed as the plan says, measured eagerly while the plan is incomplete.
+Where that cannot be done (a block not measured yet under ``fullgraph=True`` or ``torch.export``, or
+inside another higher-order op; dynamic shapes; see :mod:`~gradpatch.checkpointing.budget.traced`),
+the block takes torch's checkpoint and is recomputed, as under ``respect``: memory at most
+``respect``'s there, none of the time the budget would buy saved. So that this is not silent, the first
+compilation that ends having met such a block warns once per process
+(:class:`gradpatch.errors.ConfigWarning`), saying why. A warning cannot be issued from code being
 traced without breaking the graph, hence torch's compilation callbacks: registered when the planner is
-first used, they cost nothing per call.
+first used, they cost nothing per call. Torch-free at import.
 """
 from __future__ import annotations
 
 import warnings
 
-_state = {"registered": False, "warned": False}
+_state: dict = {"registered": False, "warned": False, "why": None}
 
-MESSAGE = ("gradpatch: checkpoint policy {policy!r} is not applied inside torch.compile regions: "
-           "checkpointed blocks there take torch's checkpoint and are all recomputed (memory as under "
-           "'respect', at most; no block is kept, so no recompute time is saved). Blocks run outside "
-           "compiled regions are planned as usual. To keep blocks in compiled code, use the 'never' "
-           "policy for them (checkpoint_policy_scope('never')) or leave them uncompiled.")
+MESSAGE = ("gradpatch: checkpoint policy {policy!r} is not applied inside torch.compile regions where "
+           "it cannot measure or bound a block ({why}): such checkpointed blocks take torch's checkpoint "
+           "and are all recomputed (memory as under 'respect', at most; no time saved). Other blocks are "
+           "planned. To have them planned, run the first steps eagerly or compile without fullgraph=True "
+           "(they are measured on the first steps, then the plan is compiled in), with static shapes; "
+           "to keep them, use the 'never' policy for them (checkpoint_policy_scope('never')).")
+
+
+PEAK_MESSAGE = ("gradpatch: checkpoint policy {policy!r} does not plan blocks inside torch.compile regions: "
+                "they take torch's checkpoint and are all recomputed, and the step's peak is recorded "
+                "and bounded for the eager blocks only. Use a budget:<size> policy for compiled models.")
+
+
+def note(why: str) -> None:
+    """A block in the region being compiled is not planned, for ``why``: warned at its end."""
+    if _state["why"] is None:
+        _state["why"] = why
 
 
 def watch() -> None:
@@ -41,8 +55,10 @@ def _compiled(*_args: object) -> None:
     from gradpatch import settings
     from gradpatch.errors import ConfigWarning
 
+    why, _state["why"] = _state["why"], None
     policy = settings.checkpoint_policy
-    if _state["warned"] or not settings.is_budget(policy):
+    if _state["warned"] or why is None or not (settings.is_budget(policy) or settings.is_peak(policy)):
         return
     _state["warned"] = True
-    warnings.warn(MESSAGE.format(policy=policy), ConfigWarning, stacklevel=2)
+    message = PEAK_MESSAGE if settings.is_peak(policy) else MESSAGE
+    warnings.warn(message.format(policy=policy, why=why), ConfigWarning, stacklevel=2)

@@ -39,7 +39,7 @@ import torch
 
 from gradpatch import settings
 from gradpatch.checkpointing import paths
-from gradpatch.checkpointing.budget import knapsack, measure, timeline
+from gradpatch.checkpointing.budget import compiled, knapsack, measure, timeline
 from gradpatch.checkpointing.budget.key import signature, size_of, state
 from gradpatch.checkpointing.budget.peak_choice import KEEP, RECOMPUTE, Occurrence, Option, PeakUnreachable, \
     choose, predict
@@ -133,7 +133,10 @@ def run(func: Callable[..., Any], args: tuple, kwargs: dict | None, policy: str)
     """``checkpoint``'s work under ``policy = "peak:<size>"``, called with ``flag=True`` in grad mode."""
     owner = getattr(func, "__self__", None)
     function = getattr(func, "__func__", None)
-    if not isinstance(owner, torch.nn.Module) or function is None or is_compiling():
+    if is_compiling():
+        _unplanned_in_compiled_region()
+        return paths.run(func, args, kwargs)
+    if not isinstance(owner, torch.nn.Module) or function is None:
         return paths.run(func, args, kwargs)
     block = PLANNER.block(owner, (function, state(owner), signature(args, kwargs)))
     if measure.measuring():
@@ -167,6 +170,13 @@ def run(func: Callable[..., Any], args: tuple, kwargs: dict | None, policy: str)
             PEAK.recording = timeline.start(dict(PEAK.choices), _values(args, kwargs))
             return timeline.run(PEAK.recording, block, _runner(choice, block), func, args, kwargs)
     return _runner(choice, block)(func, args, kwargs)
+
+
+@torch._dynamo.assume_constant_result
+def _unplanned_in_compiled_region() -> bool:
+    """At trace time: note the block for the warning at the compilation's end."""
+    compiled.note("compiled regions are not planned under peak:<size>")
+    return True
 
 
 def _settle() -> None:

@@ -8,7 +8,7 @@ import torch
 
 from gradpatch import settings
 from gradpatch.checkpointing import paths
-from gradpatch.checkpointing.budget import compiled, measure, peak
+from gradpatch.checkpointing.budget import compiled, measure, peak, traced
 from gradpatch.checkpointing.budget.key import signature, size_of, state
 from gradpatch.checkpointing.budget.planner import PLANNER, TIMING_CALLS
 from gradpatch.checkpointing.budget.report import Plan, PlanEntry
@@ -16,18 +16,21 @@ from gradpatch.checkpointing.compat import is_compiling
 
 __all__ = ["checkpoint_plan", "Plan", "PlanEntry", "reset", "run", "TIMING_CALLS"]
 
-compiled.watch()  # compiled regions are not planned: warn once when one is compiled
+compiled.watch()  # blocks a compiled region cannot plan: warn once
 
 
 def run(func: Callable[..., Any], args: tuple, kwargs: dict | None, policy: str) -> Any:
     """``checkpoint``'s work under ``policy = "budget:<size>"``, called with ``flag=True`` in grad
     mode: ``func`` runs directly if the plan keeps it, checkpointed (and measured) otherwise.
-    ``"peak:<size>"`` goes to :func:`gradpatch.checkpointing.budget.peak.run`."""
+    ``"peak:<size>"`` goes to :func:`gradpatch.checkpointing.budget.peak.run` (compiled regions are
+    not planned there: recomputed)."""
     if policy[0] == "p":
         return peak.run(func, args, kwargs, policy)
+    if is_compiling():  # the plan baked into the compiled graph (measured eagerly: this function)
+        return traced.run(func, args, kwargs, policy, run)
     owner = getattr(func, "__self__", None)
     function = getattr(func, "__func__", None)
-    if not isinstance(owner, torch.nn.Module) or function is None or is_compiling():
+    if not isinstance(owner, torch.nn.Module) or function is None:
         return paths.run(func, args, kwargs)
     block = PLANNER.block(owner, (function, state(owner), signature(args, kwargs)))
     if measure.measuring():  # which shared storages this call holds while it is recomputed
@@ -35,6 +38,7 @@ def run(func: Callable[..., Any], args: tuple, kwargs: dict | None, policy: str)
     size = settings.budget_bytes(policy)
     if PLANNER.solved_for != size and (block.measured or PLANNER.kept_for not in (None, size)):
         PLANNER.solve(size)
+        traced.check(policy)  # compiled code with another plan is compiled anew
     if block.keep:
         if size_of(args, kwargs) <= block.largest:
             return func(*args, **(kwargs or {}))
@@ -78,3 +82,4 @@ def reset() -> None:
     """Forget every measurement and plan: the next steps measure again."""
     PLANNER.reset()
     peak.PEAK.reset()
+    traced.forget()
