@@ -244,3 +244,25 @@ print(json.dumps([errors, [str(w.message) for w in caught if "peak" in str(w.mes
     errors, messages = last_json(run_python(code))
     assert errors < 1e-12
     assert len(messages) == 1 and "does not plan blocks inside torch.compile regions" in messages[0], messages
+
+
+def test_two_sizes_alternating_keep_their_plans(unet):
+    """Steps alternating between two peak: sizes are recorded once per size, then run their plans
+    (no recording, which would slow every step)."""
+    x = torch.randn(2, 4, 16, 16)
+    sizes = ("peak:1GiB", "peak:7MiB")
+    for _ in range(budget.TIMING_CALLS + 1):
+        with gradpatch.checkpoint_policy_scope(sizes[0]):
+            step(unet, AUDIOLDM, x)
+    for _ in range(2):  # each size's plan: its first step recorded
+        for size in sizes:
+            with gradpatch.checkpoint_policy_scope(size):
+                step(unet, AUDIOLDM, x)
+    plans = {}
+    for _ in range(2):
+        for size in sizes:
+            with gradpatch.checkpoint_policy_scope(size):
+                step(unet, AUDIOLDM, x)
+                assert peak.PEAK.recording is None
+                plans.setdefault(size, []).append(str(budget.checkpoint_plan()))
+    assert all(a == b for a, b in plans.values())

@@ -63,13 +63,22 @@ class PeakPlan:
         self.recorded: timeline.Recording | None = None  # ended
         self.solved_for: int | None = None
         self.choices: weakref.WeakKeyDictionary[Block, str] = weakref.WeakKeyDictionary()
-        self.predicted = self.floor = self.ceiling = self.size = None  # type: int | None
+        self.predicted = self.floor = self.ceiling = None  # type: int | None
         self.unreachable: int | None = None
         self.realised: int | None = None  # the plan's peak as recorded in its first step
         self.margin, self.tries = 0, 0  # what recorded plans exceeded the size by, summed; plans tried
         self.options: weakref.WeakKeyDictionary[Block, list[Option]] = weakref.WeakKeyDictionary()
+        self.plans: dict[int, tuple] = {}  # size -> the plan's state (_STATE), for sizes that alternate
 
-    def solve(self, size: int) -> None:
+    def solve(self, size: int, again: bool = False) -> None:
+        """Choose the kept blocks for ``size`` (the plan made for it before, unless ``again``)."""
+        if not again and size in self.plans:
+            for name, value in zip(_STATE, self.plans[size]):
+                setattr(self, name, value)
+            self.solved_for = size
+            return
+        if not again:
+            self.margin, self.tries = 0, 0
         blocks = [b for _, b in PLANNER.live()]
         index = {id(b): i for i, b in enumerate(blocks)}
         items, shared = items_of(blocks)
@@ -92,10 +101,9 @@ class PeakPlan:
         self.realised = None
         if self.floor > size:
             self.unreachable, self.predicted, self.solved_for = size, None, size
+            self.keep()
             return
         self.unreachable = None
-        if self.size != size:
-            self.size, self.margin, self.tries = size, 0, 0
         try:
             chosen, self.predicted = choose(levels, occurrences, options, size - self.margin)
         except PeakUnreachable:  # recorded plans ran over: recompute every block
@@ -104,7 +112,13 @@ class PeakPlan:
         for b, opts, j in zip(blocks, options, chosen):
             self.choices[b] = opts[j].kind
         self.solved_for = size
+        self.keep()
         measure.prune()
+
+    def keep(self) -> None:
+        """Remember the current plan's state for its size."""
+        if self.solved_for is not None:
+            self.plans[self.solved_for] = tuple(getattr(self, name) for name in _STATE)
 
     def check(self, recording: timeline.Recording) -> None:
         """The plan's first step, recorded: its peak. Over the size (what the model of the step does
@@ -115,12 +129,16 @@ class PeakPlan:
         self.tries += 1
         if realised <= size:
             self.realised = realised
+            self.keep()
             return
         self.margin += realised - size
         if self.tries >= TRIES:
             self.margin = size  # nothing fits: the next solve recomputes every block
-        self.solve(size)
+        self.solve(size, again=True)
 
+
+#: What a plan is, per size: restored when the size comes back (two peak: policies alternating).
+_STATE = ("choices", "options", "predicted", "realised", "margin", "tries", "unreachable")
 
 #: Plans recorded over their size before every block is recomputed.
 TRIES = 3
@@ -192,6 +210,7 @@ def _settle() -> None:
             PEAK.check(recording)
         else:
             PEAK.recorded, PEAK.solved_for = recording, None
+            PEAK.plans.clear()
 
 
 def _runner(choice: str, block: Block) -> Callable[[Callable[..., Any], tuple, dict | None], Any]:
