@@ -90,8 +90,8 @@ from gradpatch.checkpointing import budget  # noqa: E402
 from gradpatch.checkpointing import checkpoint as fixed  # noqa: E402
 
 MiB = 2 ** 20
-WARMUP = budget.TIMING_CALLS + 1  # steps before measuring a budget: or peak: row (the planner
-# measures blocks in its first TIMING_CALLS steps), as checkpoint_budget.measure_plans runs them
+WARMUP = budget.TIMING_CALLS + 3  # steps before measuring a budget: or peak: row: budget: measures its blocks
+# in its first TIMING_CALLS steps; peak: then records one step, and the plan's first step
 FIXED = fixed.replace_checkpoint(speed.V1)
 
 
@@ -254,6 +254,7 @@ def main() -> None:
                         "(the model 0, out 1, input_blocks.4 2, input_blocks.4.0 3); default: any module")
     parser.add_argument("--no-peak-rows", action="store_true",
                         help="no peak:<size> rows at the sac_ilp sizes")
+    parser.add_argument("--no-sac", action="store_true", help="no sac_ilp rows (its solver takes minutes)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     args = parser.parse_args()
     speed.DEVICE = torch.device(args.device)
@@ -273,10 +274,12 @@ def main() -> None:
     for row in rows:
         measure(row, model, batch)
 
-    with Row("plain", checkpoint=direct).active():
-        inputs = sac_ilp_plan.Inputs(model, batch, lambda m, b: truth.step(m, b, []), speed.DEVICE)
-    print(f"  sac_ilp's model: {len(inputs.graph.nodes)} modules ({len(inputs.dropped)} with nothing to "
-          f"discard left out), no-checkpoint peak {inputs.baseline() / MiB:.1f} MiB")
+    inputs = None
+    if not args.no_sac:
+        with Row("plain", checkpoint=direct).active():
+            inputs = sac_ilp_plan.Inputs(model, batch, lambda m, b: truth.step(m, b, []), speed.DEVICE)
+        print(f"  sac_ilp's model: {len(inputs.graph.nodes)} modules ({len(inputs.dropped)} with nothing to "
+              f"discard left out), no-checkpoint peak {inputs.baseline() / MiB:.1f} MiB")
     if args.sac_budgets:
         sizes = [int(float(s) * MiB) for s in args.sac_budgets.split(",") if s]
     else:
@@ -285,7 +288,8 @@ def main() -> None:
     more = [gradpatch_row(p.strip()) for p in args.policies.split(",") if p.strip()]
     if not args.no_peak_rows:
         more += [gradpatch_row(f"peak:{s / MiB:.1f}MiB") for s in sizes]
-    more += sac_rows(inputs, model, sizes, args.sac_depth)
+    if inputs is not None:
+        more += sac_rows(inputs, model, sizes, args.sac_depth)
     for row in more:
         if not row.missing:
             measure(row, model, batch)
