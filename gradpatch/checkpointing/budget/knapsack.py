@@ -101,6 +101,13 @@ def kept_bytes(items: Sequence[Item], shared: Sequence[Shared], keep: Sequence[b
     return out
 
 
+def alone_bytes(items: Sequence[Item], shared: Sequence[Shared]) -> list[int]:
+    """What each item adds to memory when it is the only one kept (its shared storages counted)."""
+    if not shared:
+        return [it.bytes for it in items]
+    return [sum(kept_bytes(items, shared, [j == i for j in range(len(items))])) for i in range(len(items))]
+
+
 def choose_shared(items: Sequence[Item], shared: Sequence[Shared], budget: int) -> list[bool]:
     """:func:`choose` where items share storages: the knapsack over each item's cost when kept alone,
     re-solved with less room while the chosen set together exceeds ``budget``, then filled up with

@@ -82,8 +82,7 @@ class PeakPlan:
         blocks = [b for _, b in PLANNER.live()]
         index = {id(b): i for i, b in enumerate(blocks)}
         items, shared = items_of(blocks)
-        alone = [sum(knapsack.kept_bytes(items, shared, [j == i for j in range(len(blocks))]))
-                 for i in range(len(blocks))] if shared else [it.bytes for it in items]
+        alone = knapsack.alone_bytes(items, shared)
         recorded = self.recorded
         assert recorded is not None
         occurrences = [Occurrence(index[id(block)], start, end)
@@ -111,6 +110,8 @@ class PeakPlan:
         self.options = weakref.WeakKeyDictionary(zip(blocks, options))
         for b, opts, j in zip(blocks, options, chosen):
             self.choices[b] = opts[j].kind
+        if not any(chosen):  # every block recomputed: the step recorded is this plan's, nothing to check
+            self.realised = self.floor
         self.solved_for = size
         self.keep()
         measure.prune()
@@ -162,7 +163,7 @@ def run(func: Callable[..., Any], args: tuple, kwargs: dict | None, policy: str)
     with PEAK.lock:
         recording = PEAK.recording
         if recording is not None:
-            if not recording.ended and not (block is _first() and recording.backward):
+            if not recording.ended and not (recording.backward and block is _first()):
                 return timeline.run(recording, block, _runner(recording.choices.get(block, RECOMPUTE), block),
                                     func, args, kwargs)
             _settle()  # ended, or a new step began before the backward ended
@@ -171,9 +172,8 @@ def run(func: Callable[..., Any], args: tuple, kwargs: dict | None, policy: str)
         if PEAK.epoch != PLANNER.epoch:  # new blocks since the recording: measure and record again
             PEAK.reset()
             PEAK.epoch = PLANNER.epoch
-        first = block is _first()
         if PEAK.recorded is None:
-            if first and all(b.measured for _, b in PLANNER.live()):
+            if block is _first() and all(b.measured for _, b in PLANNER.live()):
                 PEAK.recording = timeline.start({}, _values(args, kwargs))
                 return timeline.run(PEAK.recording, block, paths.run, func, args, kwargs)
             return paths.run(func, args, kwargs)
@@ -183,7 +183,7 @@ def run(func: Callable[..., Any], args: tuple, kwargs: dict | None, policy: str)
         if PEAK.unreachable is not None:
             raise PeakUnreachable(_unreachable(policy, size, PEAK.floor or 0))
         choice = PEAK.choices.get(block, RECOMPUTE)
-        if first and PEAK.realised is None and any(c != RECOMPUTE for c in PEAK.choices.values()):
+        if PEAK.realised is None and block is _first():
             # The plan's first step is recorded too: its peak measured, not only predicted.
             PEAK.recording = timeline.start(dict(PEAK.choices), _values(args, kwargs))
             return timeline.run(PEAK.recording, block, _runner(choice, block), func, args, kwargs)

@@ -143,8 +143,7 @@ class Planner:
                 items, shared = items_of(blocks)
                 keep = knapsack.choose_shared(items, shared, size)
                 added = knapsack.kept_bytes(items, shared, keep)
-                alone = [sum(knapsack.kept_bytes(items, shared, [j == i for j in range(len(blocks))]))
-                         for i in range(len(blocks))] if shared else [it.bytes for it in items]
+                alone = knapsack.alone_bytes(items, shared)
                 plan = self.plans[size] = [(b, k, a if k else a1)
                                            for b, k, a, a1 in zip(blocks, keep, added, alone)]
             for b in every:
