@@ -1,7 +1,10 @@
 """``checkpoint_steps``: the ``torch.Generator`` objects a denoiser evaluation reaches through its modules
 (``gradpatch.sampling.steps.generators``) are replayed in its recompute, also where the call's notes of
 which module attributes hold them are read at later evaluations: a generator on a submodule, one
-reassigned between two evaluations of the same call. Held to the loop written out by hand (float64)."""
+reassigned between two evaluations of the same call; and where an evaluation reads a tensor with history
+it was not given (a conditioning computed with grad outside), which the fixed checkpoint's node cannot take
+after running it: it runs again on the hook path drawing the same numbers (global RNG and generator). Held
+to the loop written out by hand (float64)."""
 from __future__ import annotations
 
 import pytest
@@ -19,9 +22,12 @@ class Inner(nn.Module):
         super().__init__()
         self.lin = nn.Linear(4, 4)
         self.generator = torch.Generator().manual_seed(5)
+        self.cond: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         mask = (torch.rand(x.shape, generator=self.generator, dtype=x.dtype) > 0.3).to(x.dtype)
+        if self.cond is not None:  # read, not given: the node cannot take the evaluation
+            x = x + self.cond * torch.rand(x.shape, dtype=x.dtype)
         return torch.tanh(self.lin(x)) * mask
 
 
@@ -51,21 +57,28 @@ class Sampler(nn.Module):
         return x
 
 
+@pytest.mark.parametrize("escape", [False, True], ids=["node", "reads-a-tensor-not-given"])
 @pytest.mark.parametrize("reseed", [False, True], ids=["same-generator", "generator-reassigned"])
 @pytest.mark.parametrize("checkpoint_steps", [True, "budget:1"], ids=["recompute", "budget"])
-def test_a_submodule_generator_is_replayed_in_every_recompute(reseed, checkpoint_steps):
+def test_a_submodule_generator_is_replayed_in_every_recompute(reseed, checkpoint_steps, escape):
     """Before, with the generator reassigned mid-call: the recomputes of the evaluations before that drew
     from the new generator (a gradient 0.069 off, 77% relative); the forward was right."""
     torch.manual_seed(0)
     model = Sampler().double()
+    encoder = nn.Linear(3, 4).double()
     x = torch.randn(2, 4, dtype=torch.float64, requires_grad=True)
-    params = [x, *model.parameters()]
+    params = [x, *model.parameters(), *encoder.parameters()]
 
-    model.inner().generator = torch.Generator().manual_seed(5)
+    def start(seed: int) -> None:
+        model.inner().generator = torch.Generator().manual_seed(5)
+        model.inner().cond = encoder(torch.ones(3, dtype=torch.float64)) if escape else None
+        torch.manual_seed(seed)
+
+    start(3)
     out = gradpatch.differentiable(model.sample, step="net")(x, reseed, checkpoint_steps=checkpoint_steps)
     got = weighted_grads(out, params)
 
-    model.inner().generator = torch.Generator().manual_seed(5)
+    start(3)
     want = x
     for i in range(N):
         if reseed and i == 2:

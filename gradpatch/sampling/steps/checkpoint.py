@@ -4,11 +4,10 @@ Each evaluation goes through the fixed checkpoint's node (:func:`gradpatch.check
 the forward builds the evaluation's graph, walks it once for the leaves it depends on (parameters,
 closed-over leaves) and drops it; one autograd node holds the inputs, and its backward recomputes the
 evaluation under the forward's RNG (CPU, and the CUDA devices of the inputs) and autocast state and
-differentiates it. What the forward saves is held aside (one short Python call per saved tensor:
-``gradpatch.checkpointing.saves.Held``) and dropped once the node is made, even where a reference cycle
-(module hooks, a caller's ``save_on_cpu``) keeps the dropped graph's nodes; the node's inputs, which it
-keeps, go through the caller's saved-tensor hooks. Where the node cannot take the evaluation and its graph
-is kept, the held tensors go through those hooks then, as they would have without this. An output that is not a tensor (a dataclass, a dict) is
+differentiates it. What the forward saves is dropped as it is saved (a pack hook from C: no Python frame
+per tensor), so the evaluation's activations are freed when it returns even where a reference cycle (module
+hooks) keeps the dropped graph's nodes; the node's inputs, which it keeps, go through the caller's
+saved-tensor hooks (``save_on_cpu``). An output that is not a tensor (a dataclass, a dict) is
 flattened with ``torch.utils._pytree`` and rebuilt. A recompute that builds another graph than its
 forward (a cache that filled in the forward: another count of autograd nodes, or other nodes making the
 outputs) raises RuntimeError in backward rather than differentiate what ran the second time.
@@ -19,11 +18,10 @@ hooks must see the recompute inside the graph; compiling), the evaluation runs w
 saved-tensor hooks (:class:`_Frame`): the forward's pack hook returns the saved tensor's position
 (``next`` of a counter: no Python frame), the first unpack in backward recomputes the evaluation once,
 keeping the tensors it saves, in order, and each unpack takes its own; a recompute that saves another
-number of tensors, or builds another graph (counted and compared as on the node), raises. The evaluation
-the node could not take has run already, with its graph: it is
-kept as it is (a plain evaluation; running it again would draw an explicit ``torch.Generator`` twice and
-repeat its side effects), and the RNG that the fast path rewound is set back to where that run left it.
-Once an evaluation of a ``cache=False`` call needed the hook path, the call's later evaluations take it
+number of tensors, or builds another graph (counted and compared as on the node), raises. An evaluation the node
+could not take after running it has saved nothing: it runs again on the hook path, from the RNG state the
+fast path rewound and with its ``torch.Generator`` objects replayed, so it draws what it drew (its other
+side effects, a counter say, happen twice, as a recompute repeats them). Once an evaluation of a ``cache=False`` call needed the hook path, the call's later evaluations take it
 at once (:attr:`gradpatch.sampling.run.SamplingRun.fast`).
 
 Both support what the evaluation does under grad, dropout included (the RNG is replayed),
@@ -196,16 +194,13 @@ def recomputed(fn: Callable[..., T], args: tuple, kwargs: dict, fast: bool) -> t
         return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, **kwargs), fast  # type: ignore[return-value]
     fn = generators.wrap(fn, args, kwargs)
     if fast:
-        structure: list[Any] = [None, None, True]  # how to rebuild the output; the forward's; keep it
-        out = fast_path(functools.partial(_flat_call, fn, structure), args, kwargs or None, verify=_VERIFY,
-                        reuse=True)
-        ran, structure[1], structure[2] = structure[1], None, False  # the recompute in backward keeps nothing
+        structure: list[Any] = [None]  # how to rebuild the output
+        out = fast_path(functools.partial(_flat_call, fn, structure), args, kwargs or None, verify=_VERIFY)
         if out is not ESCAPED:
             return (out if structure[0] is None else tree_unflatten(list(out), structure[0])), True
-        if ran is not None:  # it ran, and the node could not take it: its result, graph and all, is the plain
-            out, rng = ran   # run's (a rerun would draw an explicit torch.Generator twice, count twice)
-            _restore_rng(rng)  # the fast path rewound the RNG for a rerun that does not happen
-            return (out if structure[0] is None else tree_unflatten(list(out), structure[0])), False
+        # The node could not take it. Where it ran, its forward saved nothing (dropped as saved) and the
+        # RNG is rewound: it runs again on the hook path, drawing what it drew (``fn`` replays its
+        # generators from its second call on).
     frame = _Frame(fn, args, kwargs)
     return frame.run(frame.pack), False
 
@@ -217,24 +212,9 @@ def _flat_call(fn: Callable[..., Any], structure: list[Any], *args: Any, **kwarg
         out = fn(*args, **kwargs)
     if isinstance(out, torch.Tensor):
         structure[0] = None
-    else:
-        leaves, structure[0] = tree_flatten(out)
-        out = tuple(leaves)
-    if structure[2]:  # the forward: kept in case the fast path escapes after running it
-        structure[1] = (out, _rng_state(args, kwargs))
-    return out
-
-
-def _rng_state(args: tuple, kwargs: dict) -> tuple[torch.Tensor, list[tuple[int, torch.Tensor]]]:
-    """The RNG states the fast path rewinds when it escapes (those of the devices it rewinds)."""
-    devices = _cuda_devices(args, kwargs) or ([torch.cuda.current_device()] if torch.cuda.is_initialized() else [])
-    return torch.get_rng_state(), [(d, torch.cuda.get_rng_state(d)) for d in devices]
-
-
-def _restore_rng(state: tuple[torch.Tensor, list[tuple[int, torch.Tensor]]]) -> None:
-    torch.set_rng_state(state[0])
-    for device, cuda in state[1]:
-        torch.cuda.set_rng_state(cuda, device)
+        return out
+    leaves, structure[0] = tree_flatten(out)
+    return tuple(leaves)
 
 
 def _inner_plain() -> Any:
