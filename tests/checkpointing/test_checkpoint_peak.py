@@ -78,6 +78,28 @@ def test_choice_keeps_the_last_block_for_free_and_stays_within_the_size():
                     any(options[i][k].seconds >= options[i][j + 1].seconds for k in range(j + 1))
 
 
+def test_a_recorded_block_counts_from_its_forward_to_its_recompute():
+    """Two blocks recorded (forwards, then the second's and the first's recomputes): a kept block's bytes
+    count in each interval from its forward's start to its recompute's start, the interval just before
+    its recompute included (the next block's backward, where the step peaks) and the one before its
+    forward not. Before, each occurrence was one interval early: the prediction missed that peak."""
+    from gradpatch.checkpointing.budget import timeline
+
+    recording = timeline.Recording()  # marks and levels only: never entered as a mode
+    recording.calls = ["a", "b"]
+    alive = [5, 10, 20, 25, 40, 60]  # the most alive in the interval ending at each mark, then after the last
+    for (kind, call), high in zip([("F", 0), ("E", 0), ("F", 1), ("E", 1), ("R", 1), ("R", 0)], alive):
+        recording.high = high
+        recording.mark(kind, call)
+    recording.high = alive[-1]
+    timeline.finish(recording)
+    assert recording.levels == alive + [60]
+    occurrences = [Occurrence(i, start, end) for i, (_, start, end) in enumerate(recording.occurrences())]
+    assert peak_choice.predict(recording.levels, occurrences, [1000, 0]) == 60 + 1000  # b's backward: a alive
+    assert peak_choice.predict(recording.levels, occurrences, [0, 1000]) == 40 + 1000  # up to b's recompute
+    assert peak_choice.predict([999, *recording.levels[1:]], occurrences, [1, 1]) == 999  # before a: nothing
+
+
 @pytest.fixture
 def unet(monkeypatch):
     """The tiny AudioLDM UNet, every block checkpointed, dropout on, the fix installed; a fresh plan."""

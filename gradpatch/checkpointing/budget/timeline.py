@@ -73,7 +73,9 @@ class Recording(TorchDispatchMode):
 
     def occurrences(self) -> list[tuple[Any, int, int]]:
         """(block, first interval, end interval) of each call: from its forward's start to its
-        recompute's start (the step's end if it was not recomputed). Interval ``k`` follows mark ``k``."""
+        recompute's start (the step's end if it was not recomputed). Level ``k`` is the interval that
+        ends at mark ``k`` (:meth:`mark`; the last, after the last mark, :func:`finish`), so a call
+        marked ``F`` at ``s`` and ``R`` at ``e`` is alive in levels ``s + 1`` to ``e``."""
         starts: dict[int, int] = {}
         ends: dict[int, int] = {}
         for index, (kind, call) in enumerate(self.marks):
@@ -81,7 +83,7 @@ class Recording(TorchDispatchMode):
                 starts[call] = index
             elif kind == "R" and call not in ends:
                 ends[call] = index
-        return [(self.calls[c], starts[c], ends.get(c, len(self.marks))) for c in starts]
+        return [(self.calls[c], starts[c] + 1, ends.get(c, len(self.marks)) + 1) for c in starts]
 
 
 class Marked:
