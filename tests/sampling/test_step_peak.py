@@ -148,6 +148,28 @@ def test_peak_within_size_gradients_exact_in_every_phase(single_thread, fresh, m
         assert kept[0.5] >= 1 and kept[0.8] > kept[0.5] >= kept[0.2], kept
 
 
+def test_plan_keeps_the_latest_evaluations_that_fit_and_learns_from_a_checked_call():
+    """Four evaluations recorded recomputed: each forward's working set 10, the latent chain 1 per step,
+    each recompute in backward holds its graph (40) above what is left. A kept graph counts from its
+    forward's start to its recompute's: the last costs 3 over the floor, one more the same 40 whichever
+    it is (the latest is kept); a checked call over its size plans with less room; torch-free."""
+    from gradpatch.sampling.steps.peak_plan import Record
+
+    marks = [(k, i) for i in range(4) for k in "FE"] + [("R", i) for i in reversed(range(4))]
+    levels = [0, 10, 1, 11, 2, 12, 3, 13, 5, 50, 48, 46, 44]
+    record = Record.of([("x", 40)] + [("x", None)] * 3, marks, levels)
+    assert record.costs == [40] * 4 and record.floor == 50 and record.ceiling == 13 + 4 * 40
+    assert record.plan(52).keep == frozenset() and record.plan(52).realised == 50  # nothing kept: as recorded
+    assert record.plan(53).keep == {3} and record.plan(53).predicted == 53
+    plan = record.plan(93)
+    assert plan.keep == {2, 3} and plan.predicted == 93 and plan.realised is None
+    assert record.plan(49).keep == frozenset()  # below the floor: nothing kept (the call raises first)
+    record.check(93, 98)  # the checked call peaked over: the plan made again with 5 less room
+    assert record.plans[93].keep == {3} and record.plans[93].margin == 5
+    record.check(93, 60)
+    assert record.plans[93].realised == 60
+
+
 def test_unreachable_size_raises_with_the_smallest_peak(single_thread, fresh, monkeypatch):
     made = states(monkeypatch)
     with gradpatch.applied("f5_tts"):

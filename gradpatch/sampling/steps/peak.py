@@ -42,16 +42,13 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from gradpatch.checkpointing.budget import timeline
-from gradpatch.checkpointing.budget.peak_choice import KEEP, RECOMPUTE, Occurrence, Option, PeakUnreachable, \
-    choose, predict
+from gradpatch.checkpointing.budget.peak_choice import PeakUnreachable
 from gradpatch.sampling.steps import checkpoint as step_checkpoint
+from gradpatch.sampling.steps.peak_plan import TRIES, Record, unreachable
 
 __all__ = ["PeakUnreachable", "StepPeak", "TRIES", "call", "evaluate", "records", "reset", "settle"]
 
 T = TypeVar("T")
-
-#: Recorded plans over their size (and recordings dropped) before a key gives up keeping.
-TRIES = 3
 
 #: Keys remembered (the least recently used is forgotten).
 MAX_RECORDS = 64
@@ -80,64 +77,8 @@ class StepPeak:
     diverged: bool = field(default=False, repr=False)
 
 
-@dataclass
-class _Plan:
-    keep: frozenset
-    predicted: int
-    realised: int | None = None
-    margin: int = 0
-    tries: int = 0
-
-
-@dataclass
-class _Record:
-    """What the recorded call of a key showed: its evaluations' signatures and bytes, the levels and
-    each evaluation's span (:class:`~gradpatch.checkpointing.budget.peak_choice.Occurrence`)."""
-
-    signatures: list
-    costs: list
-    levels: list
-    occurrences: list
-    floor: int
-    ceiling: int
-    plans: dict = field(default_factory=dict)
-    stale: bool = False
-
-    def plan(self, size: int, again: bool = False) -> _Plan:
-        old = self.plans.get(size)
-        if old is not None and not again:
-            return old
-        margin = old.margin if old is not None else 0
-        tries = old.tries if old is not None else 0
-        # Latest first: among evaluations that cost the same peak the later ones are kept (their graphs
-        # are alive for the shortest time).
-        last = len(self.costs) - 1
-        options = [[Option(RECOMPUTE, 0, 0.0), Option(KEEP, c, 1.0)] for c in reversed(self.costs)]
-        occurrences = [o._replace(block=last - o.block) for o in self.occurrences]
-        try:
-            chosen, predicted = choose(self.levels, occurrences, options, size - margin)
-        except PeakUnreachable:  # recorded plans ran over: recompute every evaluation
-            chosen, predicted = [0] * len(options), self.floor
-        plan = _Plan(frozenset(last - i for i, j in enumerate(chosen) if j), predicted, None, margin, tries)
-        if not plan.keep:  # what the recorded call ran: nothing to check
-            plan.realised = self.floor
-        self.plans[size] = plan
-        return plan
-
-    def check(self, size: int, realised: int) -> None:
-        plan = self.plans[size]
-        plan.tries += 1
-        if realised <= size:
-            plan.realised = realised
-            return
-        plan.margin += realised - size
-        if plan.tries >= TRIES:
-            plan.margin = size + 1  # nothing fits: every evaluation recomputed
-        self.plan(size, again=True)
-
-
 _LOCK = threading.RLock()
-_RECORDS: OrderedDict[tuple, _Record] = OrderedDict()
+_RECORDS: OrderedDict[tuple, Record] = OrderedDict()
 _DROPPED: dict[tuple, int] = {}  # recordings dropped per key
 _ACTIVE: list[StepPeak] = []  # the call being recorded (at most one)
 _LINGERING: list[Any] = []  # ended recordings not yet off their thread's stack
@@ -190,7 +131,7 @@ def call(run: Any, entry: Any, args: tuple, kwargs: dict, body: Callable[[], T])
             _RECORDS.move_to_end(key)
             state.record, state.floor = record, record.floor
             if record.floor > size:
-                raise PeakUnreachable(_unreachable(size, record.floor))
+                raise PeakUnreachable(unreachable(size, record.floor))
             plan = record.plan(size)
             state.keep, state.predicted = plan.keep, plan.predicted
             state.phase = "planned" if plan.realised is not None else "checking"
@@ -313,15 +254,17 @@ def _settle() -> None:
     state.recording = None
     if state.phase == "recording":
         if complete and state.evaluations:
-            _RECORDS[state.key] = _record(state, recording)
+            _RECORDS[state.key] = Record.of(state.evaluations, recording.marks, recording.levels)
             _RECORDS.move_to_end(state.key)
             while len(_RECORDS) > MAX_RECORDS:
                 _RECORDS.popitem(last=False)
             _DROPPED.pop(state.key, None)
         else:
             _DROPPED[state.key] = _DROPPED.get(state.key, 0) + 1
-    elif complete and not state.diverged and state.record is _RECORDS.get(state.key):
-        state.record.check(state.size, max(recording.levels, default=0))
+    elif complete and not state.diverged:
+        record = _RECORDS.get(state.key)
+        if record is not None and record is state.record:
+            record.check(state.size, max(recording.levels, default=0))
 
 
 def _off_stack(recording: Any) -> bool:
@@ -329,31 +272,3 @@ def _off_stack(recording: Any) -> bool:
         return False
     timeline.stop(recording)
     return not recording.active
-
-
-def _record(state: StepPeak, recording: Any) -> _Record:
-    """The record of a call that recomputed every evaluation: the level of each interval between two
-    marks (``levels[k]`` precedes mark ``k``; the last follows the last mark), each evaluation's graph
-    alive, were it kept, from its forward's start to its recompute's start."""
-    costs = dict(e for e in state.evaluations if e[1] is not None)
-    signatures = [s for s, _ in state.evaluations]
-    starts: dict[int, int] = {}
-    ends: dict[int, int] = {}
-    for k, (kind, index) in enumerate(recording.marks):
-        if kind == "F":
-            starts.setdefault(index, k)
-        elif kind == "R":
-            ends.setdefault(index, k)
-    levels = list(recording.levels)
-    occurrences = [Occurrence(i, starts[i] + 1, ends.get(i, len(levels) - 1) + 1) for i in sorted(starts)]
-    per = [costs.get(s, 0) for s in signatures]
-    floor = max(levels, default=0)
-    return _Record(signatures, per, levels, occurrences, floor, predict(levels, occurrences, per))
-
-
-def _unreachable(size: int, floor: int) -> str:
-    need = -(-floor * 101 // 100 // 2**20)
-    return (f"checkpoint_steps='peak:<size>': no plan keeps this sampler call's step within {size / 2**20:.2f} MiB; "
-            f"the smallest peak reachable is {floor / 2**20:.2f} MiB, with every denoiser evaluation recomputed "
-            f"(measured from the call's start to the end of the backward of its output). Use peak:{need}MiB or "
-            f"more, fewer steps, a smaller batch, or grad_steps to backpropagate through fewer steps")
