@@ -98,8 +98,10 @@ def reset() -> None:
     """Forget every record (a recording in progress is dropped)."""
     with _LOCK:
         for state in _ACTIVE:
-            timeline.stop(state.recording)
+            if not _off_stack(state.recording):
+                _LINGERING.append(state.recording)
         _ACTIVE.clear()
+        _LINGERING[:] = [r for r in _LINGERING if not _off_stack(r)]
         _RECORDS.clear()
         _DROPPED.clear()
 
