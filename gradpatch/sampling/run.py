@@ -282,7 +282,7 @@ def run_step(step: int, total: int, fn: Callable[..., T], *args: Any, **kwargs: 
                 state = state.parent
             if state.peak is None:  # not started by a sampler entry: recomputed (the smallest peak)
                 state.peak = step_peak.StepPeak(options.step_peak, phase="unplanned")
-            out = step_peak.evaluate(state.peak, replay, args, kwargs, run.recomputed)
+            out = step_peak.evaluate(state.peak, replay, args, kwargs, run.recomputed, (step, total))
         else:
             out = run.recomputed(replay, args, kwargs)
         as_was.mark()

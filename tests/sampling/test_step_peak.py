@@ -61,8 +61,8 @@ class F5:
         self.model, (self.cond, self.text) = f5_cfm().eval(), f5_inputs()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
 
-    def step(self, option, steps: int = 12) -> None:
-        out, _ = self.model.sample(self.cond, self.text, duration=60, steps=steps, cfg_strength=2.0, seed=0,
+    def step(self, option, steps: int = 12, cfg: float = 2.0, seed: int = 0) -> None:
+        out, _ = self.model.sample(self.cond, self.text, duration=60, steps=steps, cfg_strength=cfg, seed=seed,
                                    cache=False, checkpoint_steps=option)
         out.square().mean().backward()
 
@@ -157,7 +157,7 @@ def test_plan_keeps_the_latest_evaluations_that_fit_and_learns_from_a_checked_ca
 
     marks = [(k, i) for i in range(4) for k in "FE"] + [("R", i) for i in reversed(range(4))]
     levels = [0, 10, 1, 11, 2, 12, 3, 13, 5, 50, 48, 46, 44]
-    record = Record.of([("x", 40)] + [("x", None)] * 3, marks, levels)
+    record = Record.of([((0, 4), "x", 40)] + [((i, 4), "x", None) for i in range(1, 4)], marks, levels)
     assert record.costs == [40] * 4 and record.floor == 50 and record.ceiling == 13 + 4 * 40
     assert record.plan(52).keep == frozenset() and record.plan(52).realised == 50  # nothing kept: as recorded
     assert record.plan(53).keep == {3} and record.plan(53).predicted == 53
@@ -190,21 +190,46 @@ def test_unreachable_size_raises_with_the_smallest_peak(single_thread, fresh, mo
         assert made[-1].phase in ("checking", "planned")
 
 
-def test_another_count_of_evaluations_is_recorded_again(single_thread, fresh, monkeypatch):
-    """The same call with another step count is another key; the recorded call's shapes changed
-    mid-way are recomputed from there (diverged) and recorded again."""
+def test_another_call_is_recorded_again(single_thread, fresh, monkeypatch):
+    """Another step count is another key; another seed the same one."""
     made = states(monkeypatch)
     with gradpatch.applied("f5_tts"):
         run = F5()
-        for steps in (6, 6, 8, 8):
-            want = (run.model.zero_grad(set_to_none=True), run.step(False, steps),
-                    [p.grad.clone() for p in run.params], run.model.zero_grad(set_to_none=True))[2]
-            run.step("peak:1GiB", steps)
-            assert_grads_close([p.grad for p in run.params], want, rtol=1e-5)
+        for steps, seed in ((6, 0), (6, 1), (8, 0), (8, 0)):
             run.model.zero_grad(set_to_none=True)
+            run.step(False, steps, seed=seed)
+            want = [p.grad.clone() for p in run.params]
+            run.model.zero_grad(set_to_none=True)
+            run.step("peak:1GiB", steps, seed=seed)
+            assert_grads_close([p.grad for p in run.params], want, rtol=1e-5)
+        run.model.zero_grad(set_to_none=True)
         assert [s.phase for s in made] == ["recording", "checking", "recording", "checking"]
-        assert made[1].kept == 6 - 0 and made[3].kept == 8  # 1 GiB: every evaluation kept
+        assert made[1].kept == 6 and made[3].kept == 8  # 1 GiB: every evaluation kept
         assert len(step_peak.records()) == 2
+
+
+def test_a_call_that_differs_from_its_record_recomputes_from_there_and_is_recorded_again(fresh, monkeypatch):
+    """The same key (the step count in a tensor) with more evaluations than recorded: those past the
+    record recomputed, gradients exact, the key recorded again; fewer: the kept ones that remain."""
+    made = states(monkeypatch)
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 8))
+
+    def sample(net, x, n):
+        for _ in range(int(n)):
+            x = x + 0.1 * net(x)
+        return x
+
+    sampler = gradpatch.differentiable(sample, step="net")
+    x = torch.randn(4, 8)
+    for n, phase in ((3, "recording"), (3, "checking"), (5, "planned"), (5, "recording"), (2, "checking")):
+        want = torch.autograd.grad(sampler(net, x, torch.tensor(n)).square().sum(), list(net.parameters()))
+        got = torch.autograd.grad(sampler(net, x, torch.tensor(n), checkpoint_steps="peak:1GiB").square().sum(),
+                                  list(net.parameters()))
+        assert_grads_close(got, want, rtol=1e-5)
+        assert made[-1].phase == phase
+    assert [(s.kept, s.recomputed, s.diverged) for s in made] == \
+        [(0, 3, False), (3, 0, False), (3, 2, True), (0, 5, False), (2, 0, True)]
 
 
 @pytest.mark.parametrize("value, error, message", [

@@ -3,8 +3,11 @@ the backward of a loss on its output, stays at or under ``<size>`` (bytes above 
 the call began), with as many denoiser evaluations kept as that allows.
 
 How many evaluations a call makes is not known while it runs, so the plan is learnt from earlier calls
-with the same key: the sampler, the call's arguments (tensors by shape, dtype and device; numbers,
-strings and flags by value; modules by identity; other objects by type) and its evaluations' signatures.
+with the same key: the sampler and the call's arguments (tensors by shape, dtype, device and whether they
+require grad; integers, strings and flags by value; floats and seeds not, which may change at every call;
+modules by identity; other objects by type). Each evaluation's signature (its step and the number of
+steps, as :func:`~gradpatch.sampling.run.run_step` has them, and its tensors' shapes) is compared with the
+record's.
 
 * **Recorded.** The first call of a key recomputes every evaluation (as ``checkpoint_steps=True``) and
   is recorded by the block policy's recorder (:mod:`gradpatch.checkpointing.budget.timeline`: each
@@ -20,8 +23,11 @@ strings and flags by value; modules by identity; other objects by type) and its 
   much less room, up to :data:`TRIES` times, then every evaluation is recomputed.
 * **Unreachable.** When recomputing every evaluation already peaked above the size, the next call of
   the key raises :class:`PeakUnreachable` (a ValueError) saying the smallest peak reachable.
-* **Another call.** A call whose evaluations differ from the record (another count, other shapes)
-  recomputes every evaluation from the first that differs, and the key is recorded again.
+* **Another call.** A call whose evaluations differ from the record (another number of steps, other
+  shapes: a guidance scale of 0 that halves the batch) recomputes every evaluation from the first that
+  differs, and the key is recorded again (as does a call with fewer evaluations). What it kept before
+  stays kept: with more evaluations than recorded it may peak above the plan (an adaptive solver, whose
+  step count is not its argument: use ``checkpoint_steps=True`` there).
 
 A recording is settled when the next ``peak:`` call begins (its dispatch mode leaves the thread's stack
 there). A recording whose call raised, or whose backward did not end before the next call began (two
@@ -69,7 +75,7 @@ class StepPeak:
     floor: int | None = None
     keep: frozenset = frozenset()  # the indices of the evaluations kept
     key: tuple = field(default=(), repr=False)
-    evaluations: list = field(default_factory=list, repr=False)  # (signature, bytes or None) per evaluation
+    evaluations: list = field(default_factory=list, repr=False)  # (signature, shape, bytes or None) each
     recording: Any = field(default=None, repr=False)
     record: Any = field(default=None, repr=False)
     returned: bool = field(default=False, repr=False)
@@ -106,15 +112,20 @@ def reset() -> None:
         _DROPPED.clear()
 
 
-def _signature(value: Any, depth: int = 0) -> Any:
+def _signature(value: Any, depth: int = 0, loose: bool = False) -> Any:
+    """Tensors by shape, dtype, device and whether they require grad; numbers, strings and flags by
+    value (``loose``: floats by type); modules by identity; other objects by type."""
     if isinstance(value, torch.Tensor):
         return "T", tuple(value.shape), value.dtype, value.device, value.requires_grad
+    if loose and isinstance(value, float):
+        return "f"
     if value is None or isinstance(value, (bool, int, float, str, torch.dtype, torch.device)):
         return value
     if depth < 3 and isinstance(value, (tuple, list)) and len(value) <= 64:
-        return type(value).__name__, tuple(_signature(v, depth + 1) for v in value)
+        return type(value).__name__, tuple(_signature(v, depth + 1, loose) for v in value)
     if depth < 3 and isinstance(value, dict) and len(value) <= 64:
-        return "d", tuple((str(k), _signature(v, depth + 1)) for k, v in value.items())
+        return "d", tuple((str(k), "seed" if "seed" in str(k) else _signature(v, depth + 1, loose))
+                          for k, v in value.items())
     if isinstance(value, torch.nn.Module):
         return "M", type(value).__qualname__, id(value)
     return "O", type(value).__qualname__
@@ -124,7 +135,9 @@ def call(run: Any, entry: Any, args: tuple, kwargs: dict, body: Callable[[], T])
     """The sampler call ``body()`` under ``checkpoint_steps="peak:<size>"``: ``run`` (the call's
     :class:`~gradpatch.sampling.run.SamplingRun`) gets its :class:`StepPeak` as ``run.peak``."""
     size = run.options.step_peak
-    key = (entry, _signature(args), _signature(kwargs))
+    # The call's key: a seed or a float (a guidance scale) may change at every call without changing
+    # what is recorded; a change they do make (another batch) shows in the evaluations' signatures.
+    key = (entry, _signature(args, loose=True), _signature(kwargs, loose=True))
     with _LOCK:
         _settle()
         state = StepPeak(size, key=key)
@@ -154,15 +167,19 @@ def call(run: Any, entry: Any, args: tuple, kwargs: dict, body: Callable[[], T])
                 _settle()
         raise
     state.returned = True
+    record = state.record
+    if record is not None and not state.diverged and 0 < len(state.evaluations) < len(record.signatures):
+        state.diverged = record.stale = True  # fewer evaluations than recorded: record the key again
     return out
 
 
 def evaluate(state: StepPeak, fn: Callable[..., T], args: tuple, kwargs: dict,
-             recompute: Callable[[Callable[..., T], tuple, dict], T]) -> T:
+             recompute: Callable[[Callable[..., T], tuple, dict], T], position: tuple = ()) -> T:
     """Run one evaluation of ``state``'s call: kept, recomputed by ``recompute`` (the call's own), or
     measured (the recorded call's first evaluation of each signature)."""
     index = len(state.evaluations)
-    signature = _signature((args, kwargs))
+    shape = _signature((args, kwargs))
+    signature = (position, shape)  # position: (step, total steps) as run_step has them
     recording = state.recording
     if recording is not None and not recording.ended:
         fn = _Marked(fn, state, index)  # type: ignore[assignment]
@@ -170,16 +187,16 @@ def evaluate(state: StepPeak, fn: Callable[..., T], args: tuple, kwargs: dict,
     if state.phase in ("checking", "planned") and not state.diverged and \
             (index >= len(record.signatures) or record.signatures[index] != signature):
         state.diverged = record.stale = True  # not the recorded call: recompute, and record the key again
-    if state.phase == "recording" and all(s != signature for s, _ in state.evaluations):
+    if state.phase == "recording" and all(s != shape for _, s, _ in state.evaluations):
         out, cost = step_checkpoint.measured(fn, *args, **kwargs)
-        state.evaluations.append((signature, cost))
+        state.evaluations.append((signature, shape, cost))
         state.recomputed += 1
     elif state.phase in ("checking", "planned") and not state.diverged and index in state.keep:
-        state.evaluations.append((signature, None))
+        state.evaluations.append((signature, shape, None))
         state.kept += 1
         out = step_checkpoint.kept(fn, *args, **kwargs)
     else:
-        state.evaluations.append((signature, None))
+        state.evaluations.append((signature, shape, None))
         state.recomputed += 1
         out = recompute(fn, args, kwargs)
     if isinstance(fn, _Marked):

@@ -70,15 +70,15 @@ class Record:
 
 
     @classmethod
-    def of(cls, evaluations: Sequence[tuple[Any, int | None]], marks: Sequence[tuple[str, int]],
+    def of(cls, evaluations: Sequence[tuple[Any, Any, int | None]], marks: Sequence[tuple[str, int]],
            levels: Sequence[int]) -> Record:
-        """The record of a call that recomputed every evaluation: ``evaluations`` (signature, bytes where
-        measured), the marks ("F" forward start, "E" its end, "R" recompute start, per evaluation
+        """The record of a call that recomputed every evaluation: ``evaluations`` (signature, shape, bytes
+        where measured: the first of each shape), the marks ("F" forward start, "E" its end, "R" recompute start, per evaluation
         index) and the level of each interval between two marks (``levels[k]`` precedes mark ``k``; the
         last follows the last mark). Each evaluation's graph would be alive, were it kept, from its
         forward's start to its recompute's start."""
-        costs = dict(e for e in evaluations if e[1] is not None)
-        signatures = [s for s, _ in evaluations]
+        costs = {shape: cost for _, shape, cost in evaluations if cost is not None}
+        signatures = [s for s, _, _ in evaluations]
         starts: dict[int, int] = {}
         ends: dict[int, int] = {}
         for k, (kind, index) in enumerate(marks):
@@ -88,7 +88,7 @@ class Record:
                 ends.setdefault(index, k)
         levels = list(levels)
         occurrences = [Occurrence(i, starts[i] + 1, ends.get(i, len(levels) - 1) + 1) for i in sorted(starts)]
-        per = [costs.get(s, 0) for s in signatures]
+        per = [costs.get(shape, 0) for _, shape, _ in evaluations]
         return cls(signatures, per, levels, occurrences, max(levels, default=0), predict(levels, occurrences, per))
 
 
