@@ -4,7 +4,9 @@ a diffusers pipeline (tiny random models from ``gradpatch.testing``; no download
 For each family, a ``cache=False`` call of N steps and a backward of a loss on its output, timed in
 interleaved rounds (the order alternates every round) in three ways: plain (every step keeps its
 graph), ``checkpoint_steps=True`` (each denoiser evaluation recomputed in backward) and, with
-``--budget``, ``checkpoint_steps="budget:<half of plain's graph>"``. ``F`` and ``B`` are the medians
+``--budget``, ``checkpoint_steps="budget:<half of plain's graph>"`` and, with ``--peak``,
+``checkpoint_steps="peak:<halfway between every evaluation recomputed and every one kept>"`` (its
+recorded calls run before the rounds). ``F`` and ``B`` are the medians
 of the plain call's forward (sampling) and backward. Recomputing every evaluation once costs at most
 another ``F``, so the ideal ratio of a checkpointed call to the plain one is ``(2F + B) / (F + B)``;
 ``x ideal`` is the measured ratio (median of per-round ratios) over it. The machine's load moves single
@@ -15,7 +17,7 @@ the load, so per-round ratios are the steadier figure.
 evaluation with a Python call per saved tensor in backward ("per-tensor hooks"), and one
 ``torch.utils.checkpoint`` per evaluation ("torch checkpoint").
 
-    HF_HUB_OFFLINE=1 python benchmarks/sampler_steps.py [--steps 32] [--rounds 5] [--compare] [--budget]
+    HF_HUB_OFFLINE=1 python benchmarks/sampler_steps.py [--steps 32] [--rounds 5] [--compare] [--budget] [--peak]
 """
 from __future__ import annotations
 
@@ -154,6 +156,29 @@ def graph_bytes(call) -> int:
     return allocated_after_forward(call, {}) - allocated_after_forward(call, {"checkpoint_steps": True})
 
 
+def peak_halfway(call, model) -> str:
+    """``"peak:<size>"`` halfway between the recorded peaks of every evaluation recomputed and every
+    one kept (predicted), its plan recorded and checked (the calls the rounds then time are planned)."""
+    from gradpatch.sampling.steps import peak
+
+    peak.reset()
+    call(checkpoint_steps="peak:1TiB").backward()
+    model.zero_grad(set_to_none=True)
+    peak.settle()
+    (record,) = peak.records().values()
+    option = f"peak:{(record['smallest_peak'] + record['largest_peak']) // 2}"
+    for _ in range(peak.TRIES + 1):
+        call(checkpoint_steps=option).backward()
+        model.zero_grad(set_to_none=True)
+    peak.settle()
+    (record,) = peak.records().values()
+    plan = record["plans"][int(option[5:])]
+    print(f"# {option[:5]}{int(option[5:]) / 2**20:.2f}MiB: {len(plan['kept'])} of {record['evaluations']} "
+          f"evaluations kept, recorded peak {(plan['realised_peak'] or 0) / 2**20:.2f} MiB (every evaluation "
+          f"recomputed {record['smallest_peak'] / 2**20:.2f} MiB)")
+    return option
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=32)
@@ -161,6 +186,7 @@ def main() -> int:
     parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=list(FAMILIES))
     parser.add_argument("--compare", action="store_true", help="also time the previous implementation")
     parser.add_argument("--budget", action="store_true", help="also time checkpoint_steps='budget:<half>'")
+    parser.add_argument("--peak", action="store_true", help="also time checkpoint_steps='peak:<halfway>'")
     parser.add_argument("--quick", action="store_true", help="8 steps, 2 rounds")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
@@ -184,6 +210,9 @@ def main() -> int:
             if args.budget:
                 half = graph_bytes(call) // 2
                 modes[f"budget:{half / 2**20:.2f}MiB"] = ({"checkpoint_steps": f"budget:{half}"}, contextlib.nullcontext)
+            if args.peak:
+                option = peak_halfway(call, model)
+                modes[f"peak:{int(option[5:]) / 2**20:.2f}MiB"] = ({"checkpoint_steps": option}, contextlib.nullcontext)
             times: dict[str, list[tuple[float, float]]] = {m: [] for m in modes}
             for i in range(args.rounds):
                 order = list(modes) if i % 2 == 0 else list(reversed(modes))

@@ -10,7 +10,8 @@ By role:
   :func:`~gradpatch.sampling.run.run_step`, which applies ``grad_steps``/``checkpoint_steps`` to one
   denoiser evaluation.
 * ``steps/``: what ``run_step`` uses: ``checkpoint`` (recompute per evaluation), ``inputs`` (the
-  step's inputs as the forward saw them), ``budget`` (``checkpoint_steps="budget:<size>"``), ``window``
+  step's inputs as the forward saw them), ``budget`` (``checkpoint_steps="budget:<size>"``), ``peak`` and ``peak_plan``
+  (``checkpoint_steps="peak:<size>"``), ``window``
   and ``regions`` (where ``grad_steps`` resumes recording), ``odeint`` (torchdiffeq solver steps).
 * ``lifting/``: ``lift`` (a copy of a function without its in-body ``no_grad``), ``bytecode``
   (what a code object is; torch's grad-mode decorator wrapper).

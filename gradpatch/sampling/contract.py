@@ -9,7 +9,7 @@ latent-diffusion family's entry points, diffusers pipelines, imagen, the flow-ma
    None, a positive integer (``2.5``, ``"2"``, ``True``: TypeError; ``0``, ``-1``: ValueError) or a
    range ``(lo, hi)`` of two positive integers with ``lo <= hi`` (``(1, 2, 3)``, ``(1.0, 2)``:
    TypeError; ``(0, 2)``, ``(3, 2)``: ValueError); ``checkpoint_steps`` is a boolean or
-   ``"budget:<size>"`` (``"yes"``, ``1``: TypeError; ``"budget:-1MiB"``: ValueError). Values are checked
+   ``"budget:<size>"`` or ``"peak:<size>"`` (``"yes"``, ``1``: TypeError; ``"budget:-1MiB"``: ValueError). Values are checked
    before anything else, so ``grad_steps=2.5`` alone is a TypeError everywhere, whatever ``cache`` is.
    A range is randomized truncation (AlignProp): each ``cache=False`` call draws its K once, uniformly
    in ``[lo, hi]`` (both ends included), before it runs, from the ``generator=`` it is given when that
@@ -52,7 +52,8 @@ import inspect
 from typing import Any, Callable, Optional, Protocol
 
 from gradpatch.errors import ConfigWarning, NotDifferentiableError, complain
-from gradpatch.sampling.options import OPTIONS, SamplingOptions, check_flag, note_cached_call, step_budget
+from gradpatch.sampling.options import OPTIONS, SamplingOptions, check_flag, note_cached_call, step_budget, \
+    step_peak
 
 __all__ = ["UNSET", "FamilyRun", "sampler_entry", "validate", "with_options", "misspelt", "accepted_keywords"]
 
@@ -73,7 +74,8 @@ def validate(cache: Any, grad_steps: Any, checkpoint_steps: Any, default_cache: 
     Returns the effective ``cache`` and the options."""
     if cache is not UNSET:
         check_flag("cache", cache)
-    options = SamplingOptions(grad_steps, bool(checkpoint_steps), step_budget(checkpoint_steps))
+    options = SamplingOptions(grad_steps, bool(checkpoint_steps), step_budget(checkpoint_steps),
+                              step_peak=step_peak(checkpoint_steps))
     flag = default_cache if cache is UNSET else bool(cache)
     if flag and (options.truncates or options.checkpoint_steps):
         raise ValueError("grad_steps and checkpoint_steps control the graph built with cache=False; "
@@ -152,7 +154,12 @@ def sampler_entry(original: Callable[..., Any], run: Optional[FamilyRun], *, fam
         if refusal is not None:
             raise NotDifferentiableError(f"{where} cannot run with cache=False: {refusal}")
         this = SamplingRun(options.drawn(kwargs.get("generator")), family=family)  # rule 1: a range's K
-        out = run(this, None, args, kwargs)  # type: ignore[misc]
+        if options.step_peak is not None:  # learns the call's plan from earlier calls (steps.peak)
+            from gradpatch.sampling.steps import peak as step_peak_plan
+
+            out = step_peak_plan.call(this, original, args, kwargs, lambda: run(this, None, args, kwargs))  # type: ignore[misc]
+        else:
+            out = run(this, None, args, kwargs)  # type: ignore[misc]
         if (options.truncates or options.checkpoint_steps) and this.evaluations == 0 \
                 and not inspect.isgenerator(out):  # a generator's steps run as it is consumed
             raise RuntimeError(f"{where}: grad_steps/checkpoint_steps had no effect: {expected}")

@@ -1,6 +1,6 @@
 """The values of the keywords every patched sampler takes, ``cache``, ``grad_steps`` (also a range
 ``(lo, hi)``, drawn per call: :meth:`SamplingOptions.drawn`), ``checkpoint_steps`` (also
-``"budget:<size>"``), and their validation: a wrong type is a TypeError (``cache="False"`` is not read
+``"budget:<size>"`` and ``"peak:<size>"``), and their validation: a wrong type is a TypeError (``cache="False"`` is not read
 by truth value), a value out of range a ValueError. When each is
 checked, defaults, joining and misspellings: :mod:`gradpatch.sampling.contract`. Torch-free.
 """
@@ -56,6 +56,8 @@ class SamplingOptions:
     checkpoint_steps: bool = False
     step_budget: int | None = None
     """Bytes of ``checkpoint_steps="budget:<size>"`` (``checkpoint_steps`` is then True)."""
+    step_peak: int | None = None
+    """Bytes of ``checkpoint_steps="peak:<size>"`` (``checkpoint_steps`` is then True)."""
     grad_steps_range: tuple[int, int] | None = None
     """``grad_steps=(lo, hi)``: K is drawn per call, uniformly in ``[lo, hi]``, both ends included."""
 
@@ -124,18 +126,48 @@ def check_flag(name: str, value: object) -> None:
 
 def step_budget(checkpoint_steps: object) -> int | None:
     """The bytes of ``checkpoint_steps="budget:<size>"`` (sizes as for the checkpoint policy:
-    ``"budget:512MiB"``, ``"budget:2GB"``, ``"budget:1.5e9"``); None for True or False. A bad size is
-    a ValueError; another string (``"yes"``, read by truth value) or type a TypeError."""
+    ``"budget:512MiB"``, ``"budget:2GB"``, ``"budget:1.5e9"``); None for True, False or
+    ``"peak:<size>"`` (:func:`step_peak`). A bad size is a ValueError; another string (``"yes"``, read
+    by truth value) or type a TypeError."""
+    from gradpatch.settings import PREFIX, is_peak
+
+    text = _step_size(checkpoint_steps)
+    if text is None or is_peak(text):
+        return None
+    return _bytes(checkpoint_steps, PREFIX, text)
+
+
+def step_peak(checkpoint_steps: object) -> int | None:
+    """The bytes of ``checkpoint_steps="peak:<size>"`` (the step's peak, sizes as for
+    :func:`step_budget`: ``"peak:40MiB"``); None for True, False or ``"budget:<size>"``; errors as
+    :func:`step_budget`'s."""
+    from gradpatch.settings import PEAK_PREFIX, is_peak
+
+    text = _step_size(checkpoint_steps)
+    if text is None or not is_peak(text):
+        return None
+    return _bytes(checkpoint_steps, PEAK_PREFIX, text)
+
+
+def _step_size(checkpoint_steps: object) -> str | None:
+    """``checkpoint_steps`` stripped if it is a ``"budget:"`` or ``"peak:"`` string; None for a boolean;
+    TypeError otherwise."""
     if not isinstance(checkpoint_steps, str):
         check_flag("checkpoint_steps", checkpoint_steps)
         return None
-    from gradpatch.settings import EXAMPLE, PREFIX, budget_bytes, is_budget
+    from gradpatch.settings import EXAMPLE, PEAK_EXAMPLE, is_budget, is_peak
 
     text = checkpoint_steps.strip()
-    if not is_budget(text):
-        raise TypeError(f"checkpoint_steps must be True or False, or a string 'budget:<size>' ({EXAMPLE!r}), "
-                        f"not {checkpoint_steps!r} (str)")
+    if not (is_budget(text) or is_peak(text)):
+        raise TypeError(f"checkpoint_steps must be True or False, or a string 'budget:<size>' ({EXAMPLE!r}) or "
+                        f"'peak:<size>' ({PEAK_EXAMPLE!r}), not {checkpoint_steps!r} (str)")
+    return text
+
+
+def _bytes(checkpoint_steps: object, prefix: str, text: str) -> int:
+    from gradpatch.settings import parse_size
+
     try:
-        return budget_bytes(PREFIX + text[len(PREFIX):].strip())
+        return parse_size(text[len(prefix):].strip())
     except ValueError as error:
         raise ValueError(f"checkpoint_steps={checkpoint_steps!r}: {error}") from None

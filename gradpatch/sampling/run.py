@@ -41,6 +41,9 @@ options bound that (used with ``cache=False``):
 * ``checkpoint_steps="budget:<size>"``: keep the graphs of as many evaluations as fit in ``<size>``
   bytes (``"budget:512MiB"``), measured per evaluation, and recompute the others
   (:mod:`gradpatch.sampling.steps.budget`). Gradients equal the plain run's.
+* ``checkpoint_steps="peak:<size>"``: keep the step's peak (the call's forward and the backward of a loss
+  on its output) within ``<size>`` bytes, keeping the evaluations a plan learnt from earlier calls of the
+  same shapes allows (:mod:`gradpatch.sampling.steps.peak`). Gradients equal the plain run's.
 
 ODE samplers (F5-TTS, E2-TTS): :mod:`gradpatch.sampling.families.ode`.
 """
@@ -78,6 +81,7 @@ class SamplingRun:
     parent: SamplingRun | None = field(default=None, repr=False)  # the call this one continues, if any
     family_state: Any = field(default=None, repr=False)  # what the family keeps for the call
     budget: Any = field(default=None, repr=False)  # checkpoint_steps="budget:<size>": a StepBudget
+    peak: Any = field(default=None, repr=False)  # checkpoint_steps="peak:<size>": a steps.peak.StepPeak
     cut: bool = False  # grad_steps: grad is off from the first step until step N-K-1 ends
     fast: bool = True  # checkpoint_steps: evaluations try the fixed checkpoint's node (steps.checkpoint)
     keep: Callable[[torch.Tensor], Any] | None = None  # copy on write's hold, where the call has it (steps.inputs)
@@ -270,6 +274,15 @@ def run_step(step: int, total: int, fn: Callable[..., T], *args: Any, **kwargs: 
 
             run.budget = run.budget or step_budget.StepBudget(options.step_budget)
             out = step_budget.evaluate(run.budget, replay, args, kwargs, run.recomputed)
+        elif options.step_peak is not None:
+            from gradpatch.sampling.steps import peak as step_peak
+
+            state = run  # a joined call's evaluations belong to the call it continues
+            while state.peak is None and state.parent is not None:
+                state = state.parent
+            if state.peak is None:  # not started by a sampler entry: recomputed (the smallest peak)
+                state.peak = step_peak.StepPeak(options.step_peak, phase="unplanned")
+            out = step_peak.evaluate(state.peak, replay, args, kwargs, run.recomputed, (step, total))
         else:
             out = run.recomputed(replay, args, kwargs)
         as_was.mark()
