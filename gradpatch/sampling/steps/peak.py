@@ -16,8 +16,8 @@ record's.
   start and end, a recompute's start in backward). The first evaluation of each signature is measured
   as ``budget:`` measures it (:func:`gradpatch.sampling.steps.checkpoint.measured`: what keeping its
   graph would add).
-* **Planned.** The plan keeps the evaluations whose graphs, alive from their forward to their
-  recompute's start, keep the predicted peak within the size (the block policy's choice,
+* **Planned.** The plan keeps the evaluations whose graphs, alive from their forward's end to
+  their recompute's start, keep the predicted peak within the size (the block policy's choice,
   :func:`gradpatch.checkpointing.budget.peak_choice.choose`): the last evaluations first, whose graphs
   backward frees first. Its first call is recorded too: over the size, the plan is made again with that
   much less room, up to :data:`TRIES` times, then every evaluation is recomputed.
@@ -210,7 +210,9 @@ class _Marked:
 
     def __init__(self, fn: Callable[..., Any], state: StepPeak, index: int) -> None:
         self.fn, self.state, self.index, self.calls = fn, state, index, 0
-        self.recording = state.recording
+        self.recording = recording = state.recording
+        while len(recording.calls) <= index:  # the recorder's spans name each evaluation by its index
+            recording.calls.append(len(recording.calls))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.calls += 1
@@ -273,7 +275,7 @@ def _settle() -> None:
     state.recording = None
     if state.phase == "recording":
         if complete and state.evaluations:
-            _RECORDS[state.key] = Record.of(state.evaluations, recording.marks, recording.levels)
+            _RECORDS[state.key] = Record.of(state.evaluations, recording.levels, recording.occurrences())
             _RECORDS.move_to_end(state.key)
             while len(_RECORDS) > MAX_RECORDS:
                 _RECORDS.popitem(last=False)
