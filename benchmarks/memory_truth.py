@@ -85,7 +85,7 @@ MiB = 2 ** 20
 def before_fix() -> Iterator[None]:
     """The fast path as it was: its forward's saves held by the forward's graph."""
     saved = recompute.forward_saves
-    recompute.forward_saves = lambda: contextlib.nullcontext()  # type: ignore[assignment]
+    recompute.forward_saves = lambda held: contextlib.nullcontext()  # type: ignore[assignment]
     try:
         yield
     finally:

@@ -76,7 +76,7 @@ def _escape_key(func: Callable[..., Any]) -> tuple[Any, Any]:
 
 
 def fast_path(func: Callable[..., Any], args: tuple, kwargs: dict | None = None, *,
-              verify: tuple[str, str] | None = None) -> Any:
+              verify: tuple[str, str] | None = None, reuse: bool = False) -> Any:
     """The fast path alone, for a caller with a recompute of its own to fall back on (gradpatch's
     sampler steps; public as ``gradpatch.checkpointing.checkpoint.fast_path``): ``func``'s result
     through the fast path's node, or ``ESCAPED`` (nothing run, or the RNG rewound) where the recompute
@@ -84,8 +84,8 @@ def fast_path(func: Callable[..., Any], args: tuple, kwargs: dict | None = None,
     the call (:func:`gradpatch.checkpointing.sharding.engine_loaded`), and for the fast path's own
     reasons. ``verify=(what, instead)``: raise in backward, saying what and what to do instead, if the
     recompute builds another graph than the forward (:func:`gradpatch.checkpointing.recompute.attempt`).
-    Where it ran ``func`` and returns ``ESCAPED``, what ``func`` saved for backward was dropped: the
-    caller runs it again."""
+    ``reuse``: the caller keeps the forward's graph where this returns ``ESCAPED`` after running ``func``
+    (what it saved is then kept for it)."""
     if is_compiling() or engine_loaded():
         return ESCAPED
-    return attempt(func, args, kwargs, verify)
+    return attempt(func, args, kwargs, verify, reuse)

@@ -58,7 +58,7 @@ from torch.overrides import has_torch_function
 from gradpatch.checkpointing import graph_walk
 from gradpatch.checkpointing.compat import autocast_dtype, autocast_enabled, engine_grad, sequence_nr
 from gradpatch.checkpointing.graph_path import parameters_as
-from gradpatch.checkpointing.saves import forward_saves
+from gradpatch.checkpointing.saves import Held, forward_saves
 
 _edge: Callable[[Tensor], Any] | None = getattr(torch.autograd.graph, "get_gradient_edge", None)  # 2.2 on
 _PLAIN = (Tensor, type(None), bool, int, float, str)  # what a fast-path output tuple may hold
@@ -66,7 +66,7 @@ ESCAPED = object()
 
 
 def attempt(func: Callable[..., Any], args: tuple, kwargs: dict | None,
-            verify: tuple[str, str] | None = None) -> Any:
+            verify: tuple[str, str] | None = None, reuse: bool = False) -> Any:
     """``func``'s result through one :class:`Recompute` node, or ``ESCAPED`` (RNG rewound).
 
     ``verify``: (what ``func`` is, what to do instead) for the error raised in backward when the
@@ -74,12 +74,16 @@ def attempt(func: Callable[..., Any], args: tuple, kwargs: dict | None,
     kinds of node making the outputs. A cache that filled in the forward, say, would otherwise be
     differentiated as it ran the second time. (Counted, not walked: the count is two reads of the
     thread's autograd sequence number, where a walk of the recomputed graph cost 3% of a sampler
-    step's time on small models.)"""
+    step's time on small models.)
+
+    ``reuse``: the caller keeps the forward's graph where this returns ``ESCAPED`` (**Memory**)."""
     values = list(args) if kwargs is None else [*args, *kwargs.values()]
     state = _State(func, values, len(args), kwargs)
     state.verify = verify
+    held = Held() if reuse else None
+    state.held = held
     start = sequence_nr()
-    with forward_saves():
+    with forward_saves(held):
         out = state.call(values)
     end = sequence_nr()
     if isinstance(out, Tensor):
@@ -107,6 +111,8 @@ def attempt(func: Callable[..., Any], args: tuple, kwargs: dict | None,
     for i in routed:
         passed[i] = None
     del out, outs  # drop the forward's graph: the node's backward recomputes it
+    if held is not None:
+        held.clear()  # even where a reference cycle keeps the graph's nodes until the collector runs
     results = Recompute.apply(state, *[values[i] for i in state.slots], *params)
     if single:
         return results[0]
@@ -119,7 +125,7 @@ class _State:
     """What the fast path's backward needs besides the saved tensors."""
 
     __slots__ = ("func", "n_args", "keys", "params", "template", "slots", "diff", "out", "bound",
-                 "routed", "cpu_rng", "cuda_rng", "autocast", "verify", "shape")
+                 "routed", "cpu_rng", "cuda_rng", "autocast", "verify", "shape", "held")
 
     def __init__(self, func: Callable[..., Any], values: list, n_args: int,
                  kwargs: dict | None) -> None:
@@ -140,6 +146,7 @@ class _State:
         self.bound: list[tuple[torch.nn.Module, str, Tensor | None]] | None = None  # see rebuild
         self.verify: tuple[str, str] | None = None  # see attempt
         self.shape: tuple[int, tuple[str, ...]] | None = None  # the forward's, where verified
+        self.held: Held | None = None  # what the forward saved, with reuse
         self.cpu_rng = torch.get_rng_state()
         self.cuda_rng: list[tuple[int, Tensor]] = []
         if torch.cuda.is_initialized():  # never initialise CUDA just to read its RNG
@@ -157,6 +164,8 @@ class _State:
 
     def escape(self) -> object:
         self.rewind_rng()
+        if self.held is not None:  # the caller keeps the forward's graph: its saves go where they would have
+            self.held.settle()
         return ESCAPED
 
     def rewind_rng(self) -> None:

@@ -84,6 +84,7 @@ class SamplingRun:
     peak: Any = field(default=None, repr=False)  # checkpoint_steps="peak:<size>": a steps.peak.StepPeak
     cut: bool = False  # grad_steps: grad is off from the first step until step N-K-1 ends
     fast: bool = True  # checkpoint_steps: evaluations try the fixed checkpoint's node (steps.checkpoint)
+    tried: bool = False  # checkpoint_steps: an evaluation tried that node (the first holds its saves)
     keep: Callable[[torch.Tensor], Any] | None = None  # copy on write's hold, where the call has it (steps.inputs)
     known: dict = field(default_factory=dict, repr=False)  # steps.inputs: the submodules holding buffers
     scopes: list[Callable[[], ContextManager[Any]]] = field(default_factory=list, repr=False)
@@ -130,7 +131,8 @@ class SamplingRun:
         """``fn(*args, **kwargs)`` recomputed in backward (:mod:`gradpatch.sampling.steps.checkpoint`);
         once an evaluation could not take the fixed checkpoint's node, the rest of the call go straight
         to the hook path."""
-        out, self.fast = step_checkpoint.recomputed(fn, args, kwargs, self.fast)
+        out, self.fast = step_checkpoint.recomputed(fn, args, kwargs, self.fast, hold=not self.tried)
+        self.tried = True
         return out
 
     def enter(self, stack: contextlib.ExitStack, scope: Callable[[], ContextManager[Any]]) -> None:

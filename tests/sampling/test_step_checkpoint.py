@@ -112,9 +112,9 @@ def test_an_evaluation_reading_a_tensor_it_was_not_given_takes_the_hook_path_for
     attempts, calls = [], []
     original = _step_checkpoint.recomputed
 
-    def counted(fn, args, kwargs, fast):
+    def counted(fn, args, kwargs, fast, hold=False):
         attempts.append(fast)
-        out, after = original(fn, args, kwargs, fast)
+        out, after = original(fn, args, kwargs, fast, hold)
         calls.append(after)
         return out, after
 

@@ -7,7 +7,10 @@ evaluation under the forward's RNG (CPU, and the CUDA devices of the inputs) and
 differentiates it. What the forward saves is dropped as it is saved (a pack hook from C: no Python frame
 per tensor), so the evaluation's activations are freed when it returns even where a reference cycle (module
 hooks) keeps the dropped graph's nodes; the node's inputs, which it keeps, go through the caller's
-saved-tensor hooks (``save_on_cpu``). An output that is not a tensor (a dataclass, a dict) is
+saved-tensor hooks (``save_on_cpu``). The call's first evaluation holds its saves aside instead (one
+Python call per saved tensor: ``gradpatch.checkpointing.saves.Held``) until the node is made: where the
+node cannot take it, its graph is kept as it ran (what a first evaluation cached on the side, a prefix's
+keys and values, stays valid), and the held tensors go through the caller's hooks then. An output that is not a tensor (a dataclass, a dict) is
 flattened with ``torch.utils._pytree`` and rebuilt. A recompute that builds another graph than its
 forward (a cache that filled in the forward: another count of autograd nodes, or other nodes making the
 outputs) raises RuntimeError in backward rather than differentiate what ran the second time.
@@ -18,10 +21,10 @@ hooks must see the recompute inside the graph; compiling), the evaluation runs w
 saved-tensor hooks (:class:`_Frame`): the forward's pack hook returns the saved tensor's position
 (``next`` of a counter: no Python frame), the first unpack in backward recomputes the evaluation once,
 keeping the tensors it saves, in order, and each unpack takes its own; a recompute that saves another
-number of tensors, or builds another graph (counted and compared as on the node), raises. An evaluation the node
-could not take after running it has saved nothing: it runs again on the hook path, from the RNG state the
-fast path rewound and with its ``torch.Generator`` objects replayed, so it draws what it drew (its other
-side effects, a counter say, happen twice, as a recompute repeats them). Once an evaluation of a ``cache=False`` call needed the hook path, the call's later evaluations take it
+number of tensors, or builds another graph (counted and compared as on the node), raises. A later evaluation the
+node could not take after running it has saved nothing: it runs again on the hook path, from the RNG state
+the fast path rewound and with its ``torch.Generator`` objects replayed, so it draws what it drew (its
+other side effects, a counter say, happen twice, as a recompute repeats them). Once an evaluation of a ``cache=False`` call needed the hook path, the call's later evaluations take it
 at once (:attr:`gradpatch.sampling.run.SamplingRun.fast`).
 
 Both support what the evaluation does under grad, dropout included (the RNG is replayed),
@@ -186,20 +189,27 @@ def _never(packed: Any) -> torch.Tensor:
 _VERIFY = ("checkpoint_steps: a denoiser evaluation", "use checkpoint_steps=False")
 
 
-def recomputed(fn: Callable[..., T], args: tuple, kwargs: dict, fast: bool) -> tuple[T, bool]:
+def recomputed(fn: Callable[..., T], args: tuple, kwargs: dict, fast: bool, hold: bool = False) -> tuple[T, bool]:
     """``fn(*args, **kwargs)`` with what it saves recomputed in backward (module docstring), through the
     fixed checkpoint's node if ``fast``; also whether the next evaluation of the same call should try
-    that node (False once one could not take it)."""
+    that node (False once one could not take it). ``hold``: the call's first try, whose forward's saves
+    are held until the node is made (kept where it cannot be)."""
     if not FLAT:
         return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, **kwargs), fast  # type: ignore[return-value]
     fn = generators.wrap(fn, args, kwargs)
     if fast:
-        structure: list[Any] = [None]  # how to rebuild the output
-        out = fast_path(functools.partial(_flat_call, fn, structure), args, kwargs or None, verify=_VERIFY)
+        structure: list[Any] = [None, None, hold]  # how to rebuild the output; the forward's; keep it
+        out = fast_path(functools.partial(_flat_call, fn, structure), args, kwargs or None, verify=_VERIFY,
+                        reuse=hold)
+        ran, structure[1], structure[2] = structure[1], None, False  # the recompute in backward keeps nothing
         if out is not ESCAPED:
             return (out if structure[0] is None else tree_unflatten(list(out), structure[0])), True
-        # The node could not take it. Where it ran, its forward saved nothing (dropped as saved) and the
-        # RNG is rewound: it runs again on the hook path, drawing what it drew (``fn`` replays its
+        if ran is not None:  # it ran with its saves held, and the node could not take it: its result, graph
+            out, rng = ran   # and all, is the plain run's (its side effects happened once)
+            _restore_rng(rng)  # the fast path rewound the RNG for a rerun that does not happen
+            return (out if structure[0] is None else tree_unflatten(list(out), structure[0])), False
+        # A later evaluation the node could not take after running it saved nothing (dropped as saved)
+        # and the RNG is rewound: it runs again on the hook path, drawing what it drew (``fn`` replays its
         # generators from its second call on).
     frame = _Frame(fn, args, kwargs)
     return frame.run(frame.pack), False
@@ -212,9 +222,24 @@ def _flat_call(fn: Callable[..., Any], structure: list[Any], *args: Any, **kwarg
         out = fn(*args, **kwargs)
     if isinstance(out, torch.Tensor):
         structure[0] = None
-        return out
-    leaves, structure[0] = tree_flatten(out)
-    return tuple(leaves)
+    else:
+        leaves, structure[0] = tree_flatten(out)
+        out = tuple(leaves)
+    if structure[2]:  # a held forward: kept in case the fast path escapes after running it
+        structure[1] = (out, _rng_state(args, kwargs))
+    return out
+
+
+def _rng_state(args: tuple, kwargs: dict) -> tuple[torch.Tensor, list[tuple[int, torch.Tensor]]]:
+    """The RNG states the fast path rewinds when it escapes (those of the devices it rewinds)."""
+    devices = _cuda_devices(args, kwargs) or ([torch.cuda.current_device()] if torch.cuda.is_initialized() else [])
+    return torch.get_rng_state(), [(d, torch.cuda.get_rng_state(d)) for d in devices]
+
+
+def _restore_rng(state: tuple[torch.Tensor, list[tuple[int, torch.Tensor]]]) -> None:
+    torch.set_rng_state(state[0])
+    for device, cuda in state[1]:
+        torch.cuda.set_rng_state(cuda, device)
 
 
 def _inner_plain() -> Any:
