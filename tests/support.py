@@ -262,3 +262,22 @@ def assert_grads_equal(got, want) -> None:
     for g, w in zip(got, want):
         assert torch.isfinite(g).all()
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-8)
+
+
+def memtracker_peak(model, step, tracker=None) -> int:
+    """The peak of ``step()`` by torch's ``MemTracker`` (the independent memory measure on CPU), above what it
+    tracked when the step began; ``tracker``: a MemTracker (subclass) instance to use instead."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    model.zero_grad(set_to_none=True)
+    tracker = MemTracker() if tracker is None else tracker
+    tracker.track_external(model)
+
+    def total(kind: str) -> int:
+        return sum(d.get("Total", 0) for d in tracker.get_tracker_snapshot(kind).values())
+
+    start = total("current")
+    with tracker:
+        step()
+    model.zero_grad(set_to_none=True)
+    return total("peak") - start

@@ -14,7 +14,7 @@ from gradpatch.checkpointing import budget
 from gradpatch.checkpointing.budget import peak, peak_choice
 from gradpatch.checkpointing.budget.peak_choice import KEEP, RECOMPUTE, Occurrence, Option
 from checkpoint_models import TARGETS, assert_grads_equal, build, install, step
-from support import last_json, run_python
+from support import last_json, memtracker_peak as tracked_peak, run_python
 from test_checkpoint_memory import peak_and_end
 
 AUDIOLDM = TARGETS["audioldm"]
@@ -122,20 +122,7 @@ def step_peak(model, x) -> int:
 
 def memtracker_peak(model, x) -> int:
     """The step's peak by torch's MemTracker (the independent measure on CPU), above its start."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    model.zero_grad(set_to_none=True)
-    tracker = MemTracker()
-    tracker.track_external(model)
-
-    def total(kind: str) -> int:
-        return sum(d.get("Total", 0) for d in tracker.get_tracker_snapshot(kind).values())
-
-    start = total("current")
-    with tracker:
-        AUDIOLDM.call(model, x).square().mean().backward()
-    model.zero_grad(set_to_none=True)
-    return total("peak") - start
+    return tracked_peak(model, lambda: AUDIOLDM.call(model, x).square().mean().backward())
 
 
 def test_peak_within_size_and_prediction_gradients_exact(unet, monkeypatch):

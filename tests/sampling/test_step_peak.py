@@ -15,7 +15,7 @@ import gradpatch
 from gradpatch.checkpointing.budget.peak_choice import predict
 from gradpatch.sampling.steps import peak as step_peak
 from gradpatch.settings import scope
-from support import assert_grads_close
+from support import assert_grads_close, memtracker_peak as tracked_peak
 
 os.environ.setdefault("TQDM_DISABLE", "1")
 MiB = 2**20
@@ -40,18 +40,7 @@ class _Tracker:
 def memtracker_peak(model, step) -> int:
     """The step's peak by MemTracker, above what was allocated when it began."""
     step_peak.settle()  # the last call's recording off the stack before the tracker's mode goes on it
-    model.zero_grad(set_to_none=True)
-    tracker = _Tracker()
-    tracker.track_external(model)
-
-    def total(kind: str) -> int:
-        return sum(d.get("Total", 0) for d in tracker.get_tracker_snapshot(kind).values())
-
-    start = total("current")
-    with tracker:
-        step()
-    model.zero_grad(set_to_none=True)
-    return total("peak") - start
+    return tracked_peak(model, step, _Tracker())
 
 
 class F5:
