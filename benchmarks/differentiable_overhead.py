@@ -18,10 +18,13 @@ call's machinery). ``--flow-steps`` Euler steps (Chatterbox's default is 10).
 Interleaved pairs in alternating order, per-run thread CPU time; the medians and the median of the
 per-pair ratios. The ratio is the cost of the ``__torch_function__`` mode (one Python call per torch
 call), the saved-tensor hooks (one Python call per tensor saved), the copy-on-write copies of the
-overwritten buffers and the call's own setup; the tiny rows are where it shows most.
+overwritten buffers and the call's own setup; the tiny rows are where it shows most. ``--mode-floor``
+adds a ``no-op mode`` row under each MLP row: the hand-written sampler run under a
+``__torch_function__`` mode that only calls through, and its ratio to the sampler alone. It is what
+intercepting every torch call costs by itself, the floor of any design that does.
 
     python benchmarks/differentiable_overhead.py [--dims 64 256 1024] [--steps 16] [--pairs 15]
-        [--flows s3gen s3gen-tiny matcha-tiny] [--frames 50] [--flow-steps 10] [--flow-pairs 5]
+        [--flows s3gen s3gen-tiny matcha-tiny] [--frames 50] [--flow-steps 10] [--flow-pairs 5] [--mode-floor]
 """
 from __future__ import annotations
 
@@ -127,6 +130,21 @@ def flow_case(name: str, frames: int) -> tuple[str, torch.nn.Module, dict[str, A
     raise SystemExit(f"unknown flow {name!r}")
 
 
+class CallThrough(torch.overrides.TorchFunctionMode):
+    """A ``__torch_function__`` mode that only calls through (``--mode-floor``)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def under_call_through(run: Callable[[], Any]) -> Callable[[], Any]:
+    def wrapped() -> Any:
+        with CallThrough():
+            return run()
+
+    return wrapped
+
+
 def timed(run: Callable[[], Any]) -> float:
     start = time.thread_time()  # one thread (set_num_threads(1)); CPU backward runs in the calling thread
     out = run()
@@ -134,18 +152,23 @@ def timed(run: Callable[[], Any]) -> float:
     return time.thread_time() - start
 
 
-def compare(runs: dict[str, Callable[[], Any]], pairs: int, params: list[torch.Tensor]) -> tuple[float, float, float]:
-    """Median times of ``hand`` and ``ours`` and the median of the per-pair ratios."""
+def compare(runs: dict[str, Callable[[], Any]], pairs: int, params: list[torch.Tensor]) -> dict[str, list[float]]:
+    """Each run's times, in the same interleaved rounds (the order alternates every round)."""
     for run in runs.values():
         timed(run)  # warm up
-    times: dict[str, list[float]] = {"hand": [], "ours": []}
+    times: dict[str, list[float]] = {name: [] for name in runs}
     for pair in range(pairs):
-        for name in (("hand", "ours") if pair % 2 else ("ours", "hand")):
+        for name in (list(runs) if pair % 2 else list(reversed(runs))):
             for p in params:
                 p.grad = None
             times[name].append(timed(runs[name]))
-    ratio = statistics.median(o / h for o, h in zip(times["ours"], times["hand"]))
-    return statistics.median(times["hand"]), statistics.median(times["ours"]), ratio
+    return times
+
+
+def against_hand(times: dict[str, list[float]], name: str = "ours") -> tuple[float, float, float]:
+    """Median times of ``hand`` and ``name`` and the median of the per-round ratios."""
+    ratio = statistics.median(o / h for o, h in zip(times[name], times["hand"]))
+    return statistics.median(times["hand"]), statistics.median(times[name]), ratio
 
 
 def row(name: str, hand: float, ours: float, ratio: float) -> None:
@@ -161,6 +184,8 @@ def main() -> None:
     parser.add_argument("--frames", type=int, default=50)
     parser.add_argument("--flow-steps", type=int, default=10)
     parser.add_argument("--flow-pairs", type=int, default=5)
+    parser.add_argument("--mode-floor", action="store_true",
+                        help="also time the hand-written MLP sampler under a call-through __torch_function__ mode")
     args = parser.parse_args()
     torch.set_num_threads(1)
     print(f"{'sampler':>14}  {'by hand (ms)':>12}  {'differentiable (ms)':>19}  {'ratio':>6}", flush=True)
@@ -171,7 +196,14 @@ def main() -> None:
         sample = gradpatch.differentiable(solver.forward, step="estimator", steps="n_timesteps")
         runs = {"hand": lambda: reference(solver, mu, noise, args.steps),
                 "ours": lambda: sample(mu, noise, n_timesteps=args.steps)}
-        row(f"mlp {dim}", *compare(runs, args.pairs, [mu, *solver.parameters()]))
+        if args.mode_floor:
+            runs["floor"] = under_call_through(runs["hand"])
+        times = compare(runs, args.pairs, [mu, *solver.parameters()])
+        row(f"mlp {dim}", *against_hand(times))
+        if args.mode_floor:
+            _, floor, ratio = against_hand(times, "floor")
+            print(f"{'no-op mode':>14}  {'':>12}  {1e3 * floor:>19.2f}  {ratio:>6.2f}  (by hand, under a call-through "
+                  "__torch_function__ mode)", flush=True)
     for flow in args.flows:
         upstream, model, kw, ref, inputs = flow_case(flow, args.frames)
         for key in inputs:
@@ -180,7 +212,7 @@ def main() -> None:
         with gradpatch.applied(upstream):
             runs = {"hand": lambda: ref(model, n, **kw), "ours": lambda: model(**kw, n_timesteps=n, cache=False)}
             pairs = args.pairs if "tiny" in flow else args.flow_pairs
-            row(flow, *compare(runs, pairs, [*(kw[key] for key in inputs), *model.parameters()]))
+            row(flow, *against_hand(compare(runs, pairs, [*(kw[key] for key in inputs), *model.parameters()])))
 
 
 if __name__ == "__main__":

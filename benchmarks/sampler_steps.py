@@ -17,7 +17,15 @@ the load, so per-round ratios are the steadier figure.
 evaluation with a Python call per saved tensor in backward ("per-tensor hooks"), and one
 ``torch.utils.checkpoint`` per evaluation ("torch checkpoint").
 
-    HF_HUB_OFFLINE=1 python benchmarks/sampler_steps.py [--steps 32] [--rounds 5] [--compare] [--budget] [--peak]
+``--anatomy`` times, in the same rounds, ``checkpoint_steps=True`` with each of the fast path's two
+guards taken out, to show what each costs. Neither variant is safe, and neither is offered:
+"no save hooks" keeps each evaluation's saved tensors in its forward graph until that graph is dropped
+(under module hooks whose reference cycles keep the dropped graph, every evaluation's activations stay
+until the garbage collector runs); "no graph walk" reuses the first evaluation's leaves for every later
+evaluation of the call (a later evaluation reading another parameter would not get its gradient).
+
+    HF_HUB_OFFLINE=1 python benchmarks/sampler_steps.py [--steps 32] [--rounds 5] [--compare] [--anatomy] [--budget]
+        [--peak]
 """
 from __future__ import annotations
 
@@ -127,6 +135,38 @@ def per_tensor_runner():
         _step_checkpoint.recomputed = recomputed
 
 
+@contextlib.contextmanager
+def without_save_hooks():
+    """Unsafe, for ``--anatomy`` only: the fast path's forward keeps what it saves in its graph."""
+    from gradpatch.checkpointing import recompute
+
+    saved = recompute.forward_saves
+    recompute.forward_saves = lambda held: contextlib.nullcontext() if held is None else saved(held)
+    try:
+        yield
+    finally:
+        recompute.forward_saves = saved
+
+
+@contextlib.contextmanager
+def without_graph_walk():
+    """Unsafe, for ``--anatomy`` only: every evaluation after the first is given the first's leaves."""
+    from gradpatch.checkpointing import recompute
+
+    walk, first = recompute.graph_walk.sources, []
+
+    def sources(roots, start, end, inputs):
+        if not first:
+            first.append(walk(roots, start, end, inputs))
+        return first[0]
+
+    recompute.graph_walk.sources = sources
+    try:
+        yield
+    finally:
+        recompute.graph_walk.sources = walk
+
+
 def timed(call, model, options: dict, context=contextlib.nullcontext) -> tuple[float, float]:
     """(forward seconds, backward seconds) of one call: thread CPU time (torch on one thread computes
     on the calling thread), which other processes on a shared machine disturb least."""
@@ -185,6 +225,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds per family")
     parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=list(FAMILIES))
     parser.add_argument("--compare", action="store_true", help="also time the previous implementation")
+    parser.add_argument("--anatomy", action="store_true",
+                        help="also time checkpoint_steps=True without each fast-path guard (unsafe; see above)")
     parser.add_argument("--budget", action="store_true", help="also time checkpoint_steps='budget:<half>'")
     parser.add_argument("--peak", action="store_true", help="also time checkpoint_steps='peak:<halfway>'")
     parser.add_argument("--quick", action="store_true", help="8 steps, 2 rounds")
@@ -207,6 +249,9 @@ def main() -> int:
             if args.compare:
                 modes["per-tensor hooks"] = ({"checkpoint_steps": True}, per_tensor_runner)
                 modes["torch checkpoint"] = ({"checkpoint_steps": True}, torch_runner)
+            if args.anatomy:
+                modes["no save hooks"] = ({"checkpoint_steps": True}, without_save_hooks)
+                modes["no graph walk"] = ({"checkpoint_steps": True}, without_graph_walk)
             if args.budget:
                 half = graph_bytes(call) // 2
                 modes[f"budget:{half / 2**20:.2f}MiB"] = ({"checkpoint_steps": f"budget:{half}"}, contextlib.nullcontext)
