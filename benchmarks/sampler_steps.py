@@ -128,7 +128,7 @@ def per_tensor_runner():
     from gradpatch.sampling.steps import checkpoint as _step_checkpoint
 
     recomputed = _step_checkpoint.recomputed
-    _step_checkpoint.recomputed = lambda fn, args, kwargs, fast: recomputed(fn, args, kwargs, False)
+    _step_checkpoint.recomputed = lambda fn, args, kwargs, fast, **options: recomputed(fn, args, kwargs, False)
     try:
         yield
     finally:
