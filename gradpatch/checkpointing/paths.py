@@ -85,7 +85,7 @@ def fast_path(func: Callable[..., Any], args: tuple, kwargs: dict | None = None,
     reasons. ``verify=(what, instead)``: raise in backward, saying what and what to do instead, if the
     recompute builds another graph than the forward (:func:`gradpatch.checkpointing.recompute.attempt`).
     ``reuse``: the caller keeps the forward's graph where this returns ``ESCAPED`` after running ``func``
-    (what it saved is then kept for it)."""
+    (what it saved is then kept for it, and the RNG is not rewound)."""
     if is_compiling() or engine_loaded():
         return ESCAPED
     return attempt(func, args, kwargs, verify, reuse)

@@ -76,7 +76,8 @@ def attempt(func: Callable[..., Any], args: tuple, kwargs: dict | None,
     thread's autograd sequence number, where a walk of the recomputed graph cost 3% of a sampler
     step's time on small models.)
 
-    ``reuse``: the caller keeps the forward's graph where this returns ``ESCAPED`` (**Memory**)."""
+    ``reuse``: the caller keeps the forward's graph where this returns ``ESCAPED`` (**Memory**), and with
+    it the RNG as ``func`` left it (not rewound)."""
     values = list(args) if kwargs is None else [*args, *kwargs.values()]
     state = _State(func, values, len(args), kwargs)
     state.verify = verify
@@ -163,8 +164,9 @@ class _State:
         return self.func(*values[:n], **dict(zip(self.keys, values[n:])))
 
     def escape(self) -> object:
-        self.rewind_rng()
-        if self.held is not None:  # the caller keeps the forward's graph: its saves go where they would have
+        if self.held is None:  # the caller runs func again: it draws what it drew
+            self.rewind_rng()
+        else:  # the caller keeps the forward as it ran, its draws too: its saves go where they would have
             self.held.settle()
         return ESCAPED
 

@@ -205,8 +205,7 @@ def recomputed(fn: Callable[..., T], args: tuple, kwargs: dict, fast: bool, hold
         if out is not ESCAPED:
             return (out if structure[0] is None else tree_unflatten(list(out), structure[0])), True
         if ran is not None:  # it ran with its saves held, and the node could not take it: its result, graph
-            out, rng = ran   # and all, is the plain run's (its side effects happened once)
-            _restore_rng(rng)  # the fast path rewound the RNG for a rerun that does not happen
+            out = ran        # and all, is the plain run's (its side effects and draws happened once)
             return (out if structure[0] is None else tree_unflatten(list(out), structure[0])), False
         # A later evaluation the node could not take after running it saved nothing (dropped as saved)
         # and the RNG is rewound: it runs again on the hook path, drawing what it drew (``fn`` replays its
@@ -226,20 +225,8 @@ def _flat_call(fn: Callable[..., Any], structure: list[Any], *args: Any, **kwarg
         leaves, structure[0] = tree_flatten(out)
         out = tuple(leaves)
     if structure[2]:  # a held forward: kept in case the fast path escapes after running it
-        structure[1] = (out, _rng_state(args, kwargs))
+        structure[1] = out
     return out
-
-
-def _rng_state(args: tuple, kwargs: dict) -> tuple[torch.Tensor, list[tuple[int, torch.Tensor]]]:
-    """The RNG states the fast path rewinds when it escapes (those of the devices it rewinds)."""
-    devices = _cuda_devices(args, kwargs) or ([torch.cuda.current_device()] if torch.cuda.is_initialized() else [])
-    return torch.get_rng_state(), [(d, torch.cuda.get_rng_state(d)) for d in devices]
-
-
-def _restore_rng(state: tuple[torch.Tensor, list[tuple[int, torch.Tensor]]]) -> None:
-    torch.set_rng_state(state[0])
-    for device, cuda in state[1]:
-        torch.cuda.set_rng_state(cuda, device)
 
 
 def _inner_plain() -> Any:
