@@ -76,8 +76,7 @@ def attempt(func: Callable[..., Any], args: tuple, kwargs: dict | None,
     thread's autograd sequence number, where a walk of the recomputed graph cost 3% of a sampler
     step's time on small models.)
 
-    ``reuse``: the caller keeps the forward's graph where this returns ``ESCAPED`` (**Memory**), and with
-    it the RNG as ``func`` left it (not rewound)."""
+    ``reuse``: the caller keeps the forward's graph and draws where this returns ``ESCAPED`` (**Memory**)."""
     values = list(args) if kwargs is None else [*args, *kwargs.values()]
     state = _State(func, values, len(args), kwargs)
     state.verify = verify
