@@ -3,6 +3,7 @@ allocator (the profiler's allocation events), gradients equal to no checkpoint i
 (measuring, the recorded step, planned), one clear error when no plan fits."""
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -76,6 +77,44 @@ def test_choice_keeps_the_last_block_for_free_and_stays_within_the_size():
                 bigger[i] = options[i][j + 1].bytes
                 assert peak_choice.predict(levels, occurrences, bigger) > size or \
                     any(options[i][k].seconds >= options[i][j + 1].seconds for k in range(j + 1))
+
+
+def best_by_trying_all(levels, occurrences, options, size) -> float:
+    """The most seconds any choice saves within ``size``: every combination tried."""
+    best = 0.0
+    for combination in itertools.product(*(range(len(opts)) for opts in options)):
+        added = [options[i][j].bytes for i, j in enumerate(combination)]
+        if peak_choice.predict(levels, occurrences, added) <= size:
+            best = max(best, sum(options[i][j].seconds for i, j in enumerate(combination)))
+    return best
+
+
+def test_choice_where_spans_nest_is_the_best_there_is():
+    """Three nested blocks, 100 bytes of room where all three are alive: keeping the outer block (60
+    bytes, 0.6 s) leaves no room for either inner one (50 bytes, 0.5 s each); keeping both inner ones
+    saves 1.0 s. A greedy choice by seconds per room took the outer one and saved 0.6 s."""
+    levels, occurrences = [0] * 7, [Occurrence(0, 0, 7), Occurrence(1, 1, 6), Occurrence(2, 2, 5)]
+    options = [[Option(RECOMPUTE, 0, 0.0), Option(KEEP, b, s)] for b, s in ((60, 0.6), (50, 0.5), (50, 0.5))]
+    chosen, predicted = peak_choice.choose(levels, occurrences, options, 100)
+    assert chosen == [0, 1, 1] and predicted == 100
+    rng = random.Random(1)
+    for _ in range(300):  # a chain, or two chains side by side (two calls of a model in one step)
+        n = rng.randint(1, 6)
+        if rng.random() < 0.5:
+            levels, occurrences = chain(n, rng.randint(1, 50))
+        else:
+            half = n // 2
+            occurrences = [Occurrence(i, i, 2 * half - i) for i in range(half)] + \
+                [Occurrence(i, i + half + 1, 2 * n + 1 - (i - half)) for i in range(half, n)]
+            levels = [rng.randint(0, 100) for _ in range(2 * n + 2)]
+        options = [[Option(RECOMPUTE, 0, 0.0), *(Option(KEEP, rng.randint(0, 120), rng.random())
+                                                  for _ in range(rng.randint(1, 2)))] for _ in range(n)]
+        size = max(levels) + rng.randint(0, 250)
+        chosen, predicted = peak_choice.choose(levels, occurrences, options, size)
+        assert predicted == peak_choice.predict(levels, occurrences,
+                                                [options[i][j].bytes for i, j in enumerate(chosen)]) <= size
+        saved = sum(options[i][j].seconds for i, j in enumerate(chosen))
+        assert saved == pytest.approx(best_by_trying_all(levels, occurrences, options, size))
 
 
 def test_a_recorded_block_counts_from_its_forward_to_its_recompute():

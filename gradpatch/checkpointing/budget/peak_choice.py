@@ -9,10 +9,15 @@ the same activations as a kept one. So the last block of a chain is kept for fre
 late in the forward costs less peak than one kept early. The predicted peak of a choice is the largest
 level plus what the chosen blocks add there (:func:`predict`); :func:`choose` picks, among each
 block's options (recompute, keep), the most seconds saved with the predicted peak at or under the size.
+
+Where each block is called once and the spans nest (a block's span inside another's or apart from it:
+forward in order, recompute in reverse), the choice is exact: the spans form a tree, and each subtree's
+choices reduce to the pairs (room left for the blocks around it, seconds saved) that no other pair beats
+on both (:func:`_nested`); among equal savings, the later blocks. Otherwise, or where those sets grow past :data:`FRONT_LIMIT`, a greedy choice.
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from typing import Any, NamedTuple, Sequence
 
 RECOMPUTE, KEEP = "recompute", "keep"
 
@@ -51,19 +56,121 @@ def predict(levels: Sequence[int], occurrences: Sequence[Occurrence], added: Seq
 def choose(levels: Sequence[int], occurrences: Sequence[Occurrence],
            options: Sequence[Sequence[Option]], size: int) -> tuple[list[int], int]:
     """The option index chosen per block (``options[i][0]`` is recomputing: nothing added, nothing
-    saved) and the predicted peak. Greedy: repeatedly take the upgrade of one block (to a later option)
-    that saves the most seconds per fraction of the tightest remaining room it uses, among those that
-    keep the prediction within ``size``; free upgrades (in intervals with room to spare everywhere they
-    reach) are taken first by their seconds. :class:`PeakUnreachable` if recomputing every block already
-    peaks above ``size``."""
-    totals = list(levels)
-    floor = max(totals, default=0)
+    saved) and the predicted peak: the most seconds saved with the prediction within ``size`` (exact
+    where the spans nest, else greedy: module docstring). :class:`PeakUnreachable` if recomputing every
+    block already peaks above ``size``."""
+    floor = max(levels, default=0)
     if floor > size:
         raise PeakUnreachable(floor)
     spans: list[list[tuple[int, int]]] = [[] for _ in options]
     for o in occurrences:
-        if o.start < min(o.end, len(totals)):
-            spans[o.block].append((o.start, min(o.end, len(totals))))
+        if o.start < min(o.end, len(levels)):
+            spans[o.block].append((o.start, min(o.end, len(levels))))
+    chosen = _nested(levels, spans, options, size)
+    if chosen is None:
+        chosen = _greedy(levels, spans, options, size)
+    return chosen, predict(levels, occurrences, [options[i][j].bytes for i, j in enumerate(chosen)])
+
+
+class _Node(NamedTuple):
+    """A block's span in the tree of nested spans (the root: the whole step, no block)."""
+
+    start: int
+    end: int
+    block: int | None
+    children: list[_Node]
+
+
+#: The most (room, seconds) pairs one subtree may keep before :func:`choose` falls back to greedy.
+FRONT_LIMIT = 4096
+
+
+def _nested(levels: Sequence[int], spans: list[list[tuple[int, int]]], options: Sequence[Sequence[Option]],
+            size: int) -> list[int] | None:
+    """The exact choice where every block has at most one span and the spans nest; None otherwise.
+
+    Each entry of a subtree's front is ``(room, seconds, picks)``: the most bytes the blocks around the
+    subtree may still add over its span with its choices made (``picks``: None, ``("pick", block,
+    option, picks)`` or ``("join", picks, picks)``). Children's fronts combine by the smaller room and
+    the summed seconds; the block's own options then take their bytes off the room. Only entries that no
+    other beats on both are kept."""
+    if any(len(s) > 1 for s in spans):
+        return None
+    chosen = [max(range(len(opts)), key=lambda j: (opts[j].seconds, -j)) if not spans[i] else 0
+              for i, opts in enumerate(options)]  # a block with no span adds nothing anywhere
+    nodes = sorted((s[0][0], -s[0][1], i) for i, s in enumerate(spans) if s)
+    root = _Node(0, len(levels), None, [])
+    stack = [root]
+    for start, negative_end, i in nodes:
+        while stack[-1].end <= start:
+            stack.pop()
+        if -negative_end > stack[-1].end:
+            return None  # overlaps its parent's end: not nested
+        node = _Node(start, -negative_end, i, [])
+        stack[-1].children.append(node)
+        stack.append(node)
+    fronts: dict[int, list[tuple[int | float, float, Any]]] = {}
+    # The least room a subtree may leave: what the blocks around it could still give back (an option
+    # with fewer bytes than recomputing); 0 where every option adds bytes.
+    lowest = sum(min(0, *(opt.bytes for opt in opts)) for opts in options)
+    order: list[_Node] = []
+    pending = [root]
+    while pending:  # children before their parent
+        node = pending.pop()
+        order.append(node)
+        pending.extend(node.children)
+    for node in reversed(order):
+        start, end, block, children = node
+        covered = [False] * (end - start)
+        for child in children:
+            covered[child.start - start:child.end - start] = [True] * (child.end - child.start)
+        own = [levels[start + k] for k, c in enumerate(covered) if not c]
+        front: list[tuple[int | float, float, Any]] = [(size - max(own) if own else float("inf"), 0.0, None)]
+        for child in children:
+            theirs = fronts.pop(id(child))
+            front = _pareto([(min(room, r), seconds + s, ("join", picks, more)) for room, seconds, picks in front
+                             for r, s, more in theirs])
+            if len(front) > FRONT_LIMIT:
+                return None
+        if block is not None:
+            late = 1 + 1e-9 * start / len(levels)  # equal seconds: the later block (less of the step to span)
+            front = _pareto([(room - opt.bytes, seconds + opt.seconds * late, ("pick", block, j, picks) if j
+                              else picks) for room, seconds, picks in front for j, opt in enumerate(options[block])
+                             if room - opt.bytes >= lowest])
+            if len(front) > FRONT_LIMIT:
+                return None
+        fronts[id(node)] = front
+    best = max((entry for entry in fronts[id(root)] if entry[0] >= 0), key=lambda entry: entry[1])
+    links = [best[2]]
+    while links:
+        link = links.pop()
+        if link is None:
+            continue
+        if link[0] == "pick":
+            chosen[link[1]] = link[2]
+            links.append(link[3])
+        else:
+            links += link[1:]
+    return chosen
+
+
+def _pareto(entries: list[tuple[int | float, float, Any]]) -> list[tuple[int | float, float, Any]]:
+    """The entries no other beats on both room and seconds (most room first)."""
+    entries.sort(key=lambda entry: (-entry[0], -entry[1]))
+    kept: list[tuple[int | float, float, Any]] = []
+    for entry in entries:
+        if not kept or entry[1] > kept[-1][1]:
+            kept.append(entry)
+    return kept
+
+
+def _greedy(levels: Sequence[int], spans: list[list[tuple[int, int]]], options: Sequence[Sequence[Option]],
+            size: int) -> list[int]:
+    """Repeatedly take the upgrade of one block (to a later option) that saves the most seconds per
+    fraction of the tightest remaining room it uses, among those that keep the prediction within
+    ``size``; free upgrades (in intervals with room to spare everywhere they reach) first, by their
+    seconds."""
+    totals = list(levels)
     chosen = [0] * len(options)
     while True:
         best: tuple[float, float, int, int] | None = None
@@ -84,11 +191,10 @@ def choose(levels: Sequence[int], occurrences: Sequence[Occurrence],
                 if best is None or (score, gain) > best[:2]:
                     best = (score, gain, i, j)
         if best is None:
-            break
+            return chosen
         _, _, i, j = best
         extra = options[i][j].bytes - options[i][chosen[i]].bytes
         for s, e in spans[i]:
             for k in range(s, e):
                 totals[k] += extra
         chosen[i] = j
-    return chosen, max(totals, default=0)
