@@ -174,8 +174,8 @@ def test_plan_keeps_the_latest_evaluations_that_fit_and_learns_from_a_checked_ca
     assert plan.keep == {2, 3} and plan.predicted == 90 and plan.realised is None
     assert record.plan(89).keep == {3}
     assert record.plan(49).keep == frozenset() and record.plan(49).realised == 50  # below the floor: as recorded
-    record.check(93, 98)  # the checked call peaked over: the plan made again with 5 less room
-    assert record.plans[93].keep == {3} and record.plans[93].margin == 5
+    record.check(93, 98)  # the checked call peaked over: the plan made again with the 8 its prediction (90) missed
+    assert record.plans[93].keep == {3} and record.plans[93].margin == 8
     record.check(93, 60)
     assert record.plans[93].realised == 60
 

@@ -66,7 +66,7 @@ class PeakPlan:
         self.predicted = self.floor = self.ceiling = None  # type: int | None
         self.unreachable: int | None = None
         self.realised: int | None = None  # the plan's peak as recorded in its first step
-        self.margin, self.tries = 0, 0  # what recorded plans exceeded the size by, summed; plans tried
+        self.margin, self.tries = 0, 0  # what recorded plans peaked above their predictions, summed; plans tried
         self.options: weakref.WeakKeyDictionary[Block, list[Option]] = weakref.WeakKeyDictionary()
         self.plans: dict[int, tuple] = {}  # size -> the plan's state (_STATE), for sizes that alternate
 
@@ -123,16 +123,18 @@ class PeakPlan:
 
     def check(self, recording: timeline.Recording) -> None:
         """The plan's first step, recorded: its peak. Over the size (what the model of the step does
-        not see: two blocks' memory interacting), the plan is made again with that much less room
-        and recorded again, up to :data:`TRIES` times; then every block is recomputed."""
+        not see: two blocks' memory interacting), the plan is made again with as much less room as the
+        step peaked above its prediction (a plan at the size's edge would run over again by the missed
+        amount) and recorded again, up to :data:`TRIES` times; then every block is recomputed."""
         realised = max(recording.levels, default=0)
         size = self.solved_for or 0
+        limit = size - headroom(size)
         self.tries += 1
-        if realised <= size - headroom(size):
+        if realised <= limit:
             self.realised = realised
             self.keep()
             return
-        self.margin += realised - (size - headroom(size))
+        self.margin += realised - min(self.predicted or limit, limit)
         if self.tries >= TRIES:
             self.margin = size  # nothing fits: the next solve recomputes every block
         self.solve(size, again=True)

@@ -13,7 +13,10 @@ block's options (recompute, keep), the most seconds saved with the predicted pea
 Where each block is called once and the spans nest (a block's span inside another's or apart from it:
 forward in order, recompute in reverse), the choice is exact: the spans form a tree, and each subtree's
 choices reduce to the pairs (room left for the blocks around it, seconds saved) that no other pair beats
-on both (:func:`_nested`); among equal savings, the later blocks. Otherwise, or where those sets grow past :data:`FRONT_LIMIT`, a greedy choice.
+on both (:func:`_nested`); among equal savings, the later blocks. Past :data:`FRONT_LIMIT` pairs (many
+blocks with unequal bytes), one pair per share of the size, and the better of that choice and the
+greedy one below. Where a block runs more than once a step (its spans do not nest), a greedy choice:
+repeatedly the upgrade that saves the most seconds per share of the tightest room it uses.
 """
 from __future__ import annotations
 
@@ -57,7 +60,8 @@ def choose(levels: Sequence[int], occurrences: Sequence[Occurrence],
            options: Sequence[Sequence[Option]], size: int) -> tuple[list[int], int]:
     """The option index chosen per block (``options[i][0]`` is recomputing: nothing added, nothing
     saved) and the predicted peak: the most seconds saved with the prediction within ``size`` (exact
-    where the spans nest, else greedy: module docstring). :class:`PeakUnreachable` if recomputing every
+    where the spans nest and their choices stay few, else the better of that and a greedy choice:
+    module docstring). :class:`PeakUnreachable` if recomputing every
     block already peaks above ``size``."""
     floor = max(levels, default=0)
     if floor > size:
@@ -66,9 +70,12 @@ def choose(levels: Sequence[int], occurrences: Sequence[Occurrence],
     for o in occurrences:
         if o.start < min(o.end, len(levels)):
             spans[o.block].append((o.start, min(o.end, len(levels))))
-    chosen = _nested(levels, spans, options, size)
-    if chosen is None:
-        chosen = _greedy(levels, spans, options, size)
+    chosen, exact = _nested(levels, spans, options, size)
+    if not exact:
+        greedy = _greedy(levels, spans, options, size)
+        if chosen is None or _saved(options, greedy) > _saved(options, chosen):
+            chosen = greedy
+    assert chosen is not None
     return chosen, predict(levels, occurrences, [options[i][j].bytes for i, j in enumerate(chosen)])
 
 
@@ -81,13 +88,15 @@ class _Node(NamedTuple):
     children: list[_Node]
 
 
-#: The most (room, seconds) pairs one subtree may keep before :func:`choose` falls back to greedy.
-FRONT_LIMIT = 4096
+#: The most (room, seconds) pairs one subtree keeps: past it, one per ``size / FRONT_LIMIT`` of room
+#: (within that much of the best).
+FRONT_LIMIT = 512
 
 
 def _nested(levels: Sequence[int], spans: list[list[tuple[int, int]]], options: Sequence[Sequence[Option]],
-            size: int) -> list[int] | None:
-    """The exact choice where every block has at most one span and the spans nest; None otherwise.
+            size: int) -> tuple[list[int] | None, bool]:
+    """The choice where every block has at most one span and the spans nest (None otherwise), and
+    whether it is exact (no front thinned past :data:`FRONT_LIMIT`).
 
     Each entry of a subtree's front is ``(room, seconds, picks)``: the most bytes the blocks around the
     subtree may still add over its span with its choices made (``picks``: None, ``("pick", block,
@@ -95,7 +104,7 @@ def _nested(levels: Sequence[int], spans: list[list[tuple[int, int]]], options: 
     the summed seconds; the block's own options then take their bytes off the room. Only entries that no
     other beats on both are kept."""
     if any(len(s) > 1 for s in spans):
-        return None
+        return None, False
     chosen = [max(range(len(opts)), key=lambda j: (opts[j].seconds, -j)) if not spans[i] else 0
               for i, opts in enumerate(options)]  # a block with no span adds nothing anywhere
     nodes = sorted((s[0][0], -s[0][1], i) for i, s in enumerate(spans) if s)
@@ -105,11 +114,12 @@ def _nested(levels: Sequence[int], spans: list[list[tuple[int, int]]], options: 
         while stack[-1].end <= start:
             stack.pop()
         if -negative_end > stack[-1].end:
-            return None  # overlaps its parent's end: not nested
+            return None, False  # overlaps its parent's end: not nested
         node = _Node(start, -negative_end, i, [])
         stack[-1].children.append(node)
         stack.append(node)
     fronts: dict[int, list[tuple[int | float, float, Any]]] = {}
+    exact = True
     # The least room a subtree may leave: what the blocks around it could still give back (an option
     # with fewer bytes than recomputing); 0 where every option adds bytes.
     lowest = sum(min(0, *(opt.bytes for opt in opts)) for opts in options)
@@ -128,17 +138,15 @@ def _nested(levels: Sequence[int], spans: list[list[tuple[int, int]]], options: 
         front: list[tuple[int | float, float, Any]] = [(size - max(own) if own else float("inf"), 0.0, None)]
         for child in children:
             theirs = fronts.pop(id(child))
-            front = _pareto([(min(room, r), seconds + s, ("join", picks, more)) for room, seconds, picks in front
-                             for r, s, more in theirs])
-            if len(front) > FRONT_LIMIT:
-                return None
+            front, whole = _pareto([(min(room, r), seconds + s, ("join", picks, more))
+                                    for room, seconds, picks in front for r, s, more in theirs], size)
+            exact &= whole
         if block is not None:
             late = 1 + 1e-9 * start / len(levels)  # equal seconds: the later block (less of the step to span)
-            front = _pareto([(room - opt.bytes, seconds + opt.seconds * late, ("pick", block, j, picks) if j
-                              else picks) for room, seconds, picks in front for j, opt in enumerate(options[block])
-                             if room - opt.bytes >= lowest])
-            if len(front) > FRONT_LIMIT:
-                return None
+            front, whole = _pareto([(room - opt.bytes, seconds + opt.seconds * late, ("pick", block, j, picks)
+                                     if j else picks) for room, seconds, picks in front
+                                    for j, opt in enumerate(options[block]) if room - opt.bytes >= lowest], size)
+            exact &= whole
         fronts[id(node)] = front
     best = max((entry for entry in fronts[id(root)] if entry[0] >= 0), key=lambda entry: entry[1])
     links = [best[2]]
@@ -151,17 +159,33 @@ def _nested(levels: Sequence[int], spans: list[list[tuple[int, int]]], options: 
             links.append(link[3])
         else:
             links += link[1:]
-    return chosen
+    return chosen, exact
 
 
-def _pareto(entries: list[tuple[int | float, float, Any]]) -> list[tuple[int | float, float, Any]]:
-    """The entries no other beats on both room and seconds (most room first)."""
+def _saved(options: Sequence[Sequence[Option]], chosen: list[int]) -> float:
+    return sum(options[i][j].seconds for i, j in enumerate(chosen))
+
+
+def _pareto(entries: list[tuple[int | float, float, Any]],
+            size: int) -> tuple[list[tuple[int | float, float, Any]], bool]:
+    """The entries no other beats on both room and seconds (most room first), and whether that is all
+    of them: past :data:`FRONT_LIMIT`, only the one saving the most seconds per ``size / FRONT_LIMIT``
+    of room."""
     entries.sort(key=lambda entry: (-entry[0], -entry[1]))
     kept: list[tuple[int | float, float, Any]] = []
     for entry in entries:
         if not kept or entry[1] > kept[-1][1]:
             kept.append(entry)
-    return kept
+    if len(kept) <= FRONT_LIMIT:
+        return kept, True
+    cell = max(size // FRONT_LIMIT, 1)
+    thinned: list[tuple[int | float, float, Any]] = []
+    for entry in kept:  # seconds rise as room falls: the last of each cell saves the most
+        if thinned and thinned[-1][0] // cell == entry[0] // cell:
+            thinned[-1] = entry
+        else:
+            thinned.append(entry)
+    return thinned, False
 
 
 def _greedy(levels: Sequence[int], spans: list[list[tuple[int, int]]], options: Sequence[Sequence[Option]],

@@ -63,7 +63,7 @@ class Record:
         if realised <= size:
             plan.realised = realised
             return
-        plan.margin += realised - size
+        plan.margin += realised - min(plan.predicted, size)  # what the prediction missed: so much less room
         if plan.tries >= TRIES:
             plan.margin = size + 1  # nothing fits: every evaluation recomputed
         self.plan(size, again=True)
