@@ -61,8 +61,8 @@ def choose(levels: Sequence[int], occurrences: Sequence[Occurrence],
     """The option index chosen per block (``options[i][0]`` is recomputing: nothing added, nothing
     saved) and the predicted peak: the most seconds saved with the prediction within ``size`` (exact
     where the spans nest and their choices stay few, else the better of that and a greedy choice:
-    module docstring). :class:`PeakUnreachable` if recomputing every
-    block already peaks above ``size``."""
+    module docstring). :class:`PeakUnreachable` if recomputing every block already peaks above
+    ``size``."""
     floor = max(levels, default=0)
     if floor > size:
         raise PeakUnreachable(floor)
