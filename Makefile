@@ -20,7 +20,7 @@ LOWER_TESTS := tests/checkpointing/test_checkpoint_fix.py tests/checkpointing/te
 	tests/checkpointing/test_checkpoint_trust.py tests/patching/test_engine.py tests/patching/test_trust.py \
 	tests/patching/test_definitions.py tests/sampling/test_differentiable.py tests/sampling/test_sampler_options.py \
 	tests/sampling/test_step_checkpoint.py tests/sampling/test_lift.py tests/sampling/test_lift_trust.py \
-	tests/project/test_skip_policy.py
+	tests/sampling/test_trust_steps.py tests/project/test_skip_policy.py
 SKIP_TORCH_LOWER ?=
 
 # The newest torch release gets a venv of its own too, for the tests that import without the upstream

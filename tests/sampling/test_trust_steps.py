@@ -309,7 +309,10 @@ def test_grad_steps_with_guidance_through_the_step(inside, k):
 
 
 def test_fullgraph_compile_of_a_call_says_what_to_compile_instead():
-    """Before: dynamo's internal "ContextVar mutation not supported" from gradpatch's machinery."""
+    """Before: dynamo's internal "ContextVar mutation not supported" from gradpatch's machinery. On torch
+    2.1 (in the Makefile's lower-torch list), before: without fullgraph the call raised this refusal instead
+    of running eagerly (dynamo split the untraced entry at its raise and ran the rest), and under fullgraph
+    the error named neither the reason nor what to do."""
     torch.manual_seed(0)
     model = Looped("pre")
     x, mu = (t.float() for t in _inputs())

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import inspect
 import sys
 import types
 from typing import Any, Callable, cast
@@ -41,6 +42,15 @@ def _through(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     return fn(*args, **kwargs)
 
 
+def _disable_ahead() -> None:
+    """Where ``torch.compiler.disable`` takes no reason (torch < 2.6), make the untraced runner when a
+    callable is made, not at its first eager call: torch 2.1's dynamo, tracing a first call, splits
+    :func:`_eager` at its ``raise`` and runs the rest, the ``raise`` included, even without
+    ``fullgraph=True``."""
+    if not _DISABLED and not is_compiling() and "reason" not in inspect.signature(torch.compiler.disable).parameters:
+        _DISABLED.append(torch.compiler.disable(_through))
+
+
 def _eager(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """``fn(*args, **kwargs)``, never traced: dynamo skips it (under ``fullgraph=True`` its error says
     :data:`_COMPILE`)."""
@@ -49,8 +59,8 @@ def _eager(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
             _DISABLED.append(torch.compiler.disable(_through, reason=_COMPILE))
         except TypeError:  # torch < 2.6: no reason= (the graph break then names no reason)
             _DISABLED.append(torch.compiler.disable(_through))
-    if _DISABLED:
-        return _DISABLED[0](fn, args, kwargs)
+    if _DISABLED:  # torch < 2.6 names this line under fullgraph=True, not the reason: the line says it
+        return _DISABLED[0](fn, args, kwargs)  # untraceable: compile the denoiser or the step module instead
     if is_compiling():  # dynamo runs the frames up to here eagerly instead, or shows this under fullgraph=True
         raise RuntimeError(_COMPILE)
     return fn(*args, **kwargs)
@@ -75,6 +85,7 @@ class Differentiable:
 
     def __init__(self, fn: Callable[..., Any], step: Any = None, steps: Any = None, cache: bool = False,
                  where: str | None = None) -> None:
+        _disable_ahead()
         functools.update_wrapper(self, fn)
         where = where or cast(str, getattr(fn, "__qualname__", repr(fn)))
         self._made = (fn, step, steps, cache, where)
