@@ -118,6 +118,30 @@ def test_choice_where_spans_nest_is_the_best_there_is():
         assert saved == pytest.approx(best_by_trying_all(levels, occurrences, options, size))
 
 
+def test_choice_with_fronts_thinned_or_spans_that_do_not_nest_stays_within_the_size(monkeypatch):
+    """Past FRONT_LIMIT pairs per subtree (here 2), the choice is the better of the thinned one and the
+    greedy one; where a block runs twice a step (two spans), the greedy one. Either way within the size,
+    and never more than the best set saves."""
+    monkeypatch.setattr(peak_choice, "FRONT_LIMIT", 2)
+    rng = random.Random(2)
+    for _ in range(200):
+        n = rng.randint(2, 7)
+        levels, occurrences = chain(n, rng.randint(1, 50))
+        if rng.random() < 0.3:  # the first block runs again after the last one's recompute
+            levels.append(rng.randint(0, max(levels)))
+            occurrences.append(Occurrence(0, len(levels) - 1, len(levels)))
+        options = [[Option(RECOMPUTE, 0, 0.0), Option(KEEP, rng.randint(1, 120), rng.random())] for _ in range(n)]
+        size = max(levels) + rng.randint(0, 250)
+        chosen, predicted = peak_choice.choose(levels, occurrences, options, size)
+        assert predicted == peak_choice.predict(levels, occurrences,
+                                                [options[i][j].bytes for i, j in enumerate(chosen)]) <= size
+        spans = [[(o.start, min(o.end, len(levels))) for o in occurrences if o.block == i] for i in range(n)]
+        saved = sum(options[i][j].seconds for i, j in enumerate(chosen))
+        greedy = peak_choice._greedy(levels, spans, options, size)
+        assert saved >= sum(options[i][j].seconds for i, j in enumerate(greedy)) - 1e-12
+        assert saved <= best_by_trying_all(levels, occurrences, options, size) + 1e-12
+
+
 def test_a_plan_over_its_size_is_made_again_with_what_its_prediction_missed(monkeypatch):
     """A plan predicted at 96 MiB of a 97 MiB limit (100 MiB less 3% headroom) whose step peaked at 98
     is made again with 2 MiB less room, what the prediction missed: with only the 1 MiB it ran over, the
