@@ -44,7 +44,7 @@ gradients included), in separate steps after the warm-up:
 The predicted columns' ratios are realised (allocator, MemTracker) over predicted.
 
 Measured (CPU, one thread, loaded machine, torch 2.14.1; MiB above the step's start, allocator /
-MemTracker, time over ``never``'s; ``peak:`` not available yet):
+MemTracker, time over ``never``'s; before ``peak:`` existed):
 
 * medium UNet, batch 8 (``--batch 8``, 5 steps, 17 min): ``never`` 111.7 / 110.7, 1.000; ``respect``
   78.8 / 80.9, 1.399; ``budget:`` 82.5 / 84.5, 1.192; 85.0 / 87.0, 1.080; 94.3 / 95.8, 1.033.
@@ -60,6 +60,16 @@ MemTracker, time over ``never``'s; ``peak:`` not available yet):
   under its limit but slower than ``budget:`` at a higher peak. Its no-checkpoint model: 303.2
   (measured 282.9).
 * The operators of every applied ``sac_ilp`` plan matched the estimator's order (no mismatch).
+
+``peak:`` rows, ``--no-sac``, quiet machine (load about 1), each at a ``budget:`` row's realised
+allocator peak; ``peak:`` predicted, then allocator / MemTracker, time over ``never``'s:
+
+* AudioLDM-S at 32 channels, batch 1 (``--steps 11``): at 122.3 ``budget:`` 122.4 / 122.3, 1.182;
+  ``peak:`` 117.9, 118.8 / 117.9, 1.161. At 187.4: 187.4 / 187.4, 1.139; ``peak:`` 164.1, 165.1 / 164.1,
+  1.102. At 204.3: 204.3 / 203.4, 1.077; ``peak:`` 197.7, 198.6 / 197.7, 1.081.
+* medium UNet, batch 8 (``--steps 7``): at 82.5 ``budget:`` 82.5 / 84.5, 1.193; ``peak:`` 79.9,
+  80.0 / 82.0, 1.085. At 85.0: 85.0 / 87.0, 1.100; ``peak:`` 81.4, 81.5 / 83.5, 1.075. At 95.3:
+  95.3 / 95.8, 1.052; ``peak:`` 92.1, 93.2 / 92.2, 1.032.
 """
 from __future__ import annotations
 
