@@ -20,7 +20,8 @@ record's.
   their recompute's start, keep the predicted peak within the size (the block policy's choice,
   :func:`gradpatch.checkpointing.budget.peak_choice.choose`): the last evaluations first, whose graphs
   backward frees first. Its first call is recorded too: over the size, the plan is made again with as
-  much less room as that call peaked above the prediction, up to :data:`TRIES` times, then every evaluation is recomputed.
+  much less room as that call peaked above the prediction, up to :data:`TRIES` times, then every
+  evaluation is recomputed.
 * **Unreachable.** When recomputing every evaluation already peaked above the size, the next call of
   the key raises :class:`PeakUnreachable` (a ValueError) saying the smallest peak reachable.
 * **Another call.** A call whose evaluations differ from the record (another number of steps, other
