@@ -69,6 +69,7 @@ class PeakPlan:
         self.margin, self.tries = 0, 0  # what recorded plans peaked above their predictions, summed; plans tried
         self.options: weakref.WeakKeyDictionary[Block, list[Option]] = weakref.WeakKeyDictionary()
         self.plans: dict[int, tuple] = {}  # size -> the plan's state (_STATE), for sizes that alternate
+        self.dropped = False  # a recording with an abandoned forward was dropped (see _settle)
 
     def solve(self, size: int, again: bool = False) -> None:
         """Choose the kept blocks for ``size`` (the plan made for it before, unless ``again``)."""
@@ -218,6 +219,13 @@ def _settle() -> None:
     timeline.stop(recording)
     PEAK.recording = None
     if complete and PEAK.epoch == PLANNER.epoch:
+        # A forward dropped without backward before the step's own (a validation forward with grad on, one
+        # that raised) may have been alive through the step: the next step is recorded instead, once. One
+        # every step is part of the step: used, its calls left out (timeline.Recording.abandoned).
+        if recording.abandoned() and not PEAK.dropped:
+            PEAK.dropped = True
+            return
+        PEAK.dropped = False
         if recording.choices:
             PEAK.check(recording)
         else:

@@ -9,6 +9,11 @@ would count them (without its rounding), for the step's tensors whichever code h
 run as the plan being recorded says (every block recomputed, as under ``respect``, for the first
 recording); each call marks its forward's start and end and its recompute's start. Only this step runs under the mode (a few Python calls per
 operator); the user's own dispatch modes below it keep working.
+
+A forward that no backward reaches before the step's own forward begins (a validation forward run
+with grad on, a forward that raised) is not a step of its own: its block calls are left out of
+:meth:`Recording.occurrences` (its memory stays in the levels, as it was alive), so the plan does not
+count each block twice; :meth:`Recording.abandoned` says whether there was one.
 """
 from __future__ import annotations
 
@@ -34,6 +39,7 @@ class Recording(TorchDispatchMode):
         self.thread = threading.get_ident()
         self.ended = self.backward = self.active = False
         self.choices: dict = {}
+        self.reached: set[int] = set()  # calls a backward reached (or with nothing for one to reach)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         if self.ended:  # until the mode leaves the stack at the next block call (see finish)
@@ -83,7 +89,18 @@ class Recording(TorchDispatchMode):
                 starts[call] = index
             elif kind == "R" and call not in ends:
                 ends[call] = index
-        return [(self.calls[c], starts[c] + 1, ends.get(c, len(self.marks)) + 1) for c in starts]
+        abandoned = self.abandoned()
+        return [(self.calls[c], starts[c] + 1, ends.get(c, len(self.marks)) + 1) for c in starts if c not in abandoned]
+
+    def abandoned(self) -> set[int]:
+        """The calls of forwards that began before the step's last one and that no backward reached:
+        dropped without a backward, or raised (module docstring). A second forward whose graph the one
+        backward also reaches (gradient accumulation) keeps its calls."""
+        if not self.calls:
+            return set()
+        first = self.calls[0]
+        last = max(i for i, block in enumerate(self.calls) if block is first)
+        return {i for i in range(last) if i not in self.reached}
 
 
 class Marked:
@@ -107,6 +124,8 @@ class Marked:
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(self._in_backward)
                     break
+            else:  # nothing of it for a backward to reach
+                recording.reached.add(self.call)
             return out
         if not recording.ended:
             self._in_backward(None)
@@ -115,6 +134,7 @@ class Marked:
 
     def _in_backward(self, grad: Any) -> None:
         recording = self.recording
+        recording.reached.add(self.call)
         if not recording.backward and not recording.ended:  # the backward's first block: note its end
             recording.backward = True
             torch.autograd.Variable._execution_engine.queue_callback(lambda: finish(recording))
