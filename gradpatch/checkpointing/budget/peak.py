@@ -187,7 +187,7 @@ def run(func: Callable[..., Any], args: tuple, kwargs: dict | None, policy: str)
             PEAK.epoch = PLANNER.epoch
         if PEAK.recorded is None:
             if block is _first() and all(b.measured for _, b in PLANNER.live()):
-                PEAK.recording = timeline.start({}, _values(args, kwargs))
+                PEAK.recording = timeline.start({}, _values(args, kwargs), [b for _, b in PLANNER.live()])
                 return timeline.run(PEAK.recording, block, paths.run, func, args, kwargs)
             return paths.run(func, args, kwargs)
         size = settings.peak_bytes(policy)
@@ -198,7 +198,8 @@ def run(func: Callable[..., Any], args: tuple, kwargs: dict | None, policy: str)
         choice = PEAK.choices.get(block, RECOMPUTE)
         if PEAK.realised is None and block is _first():
             # The plan's first step is recorded too: its peak measured, not only predicted.
-            PEAK.recording = timeline.start(dict(PEAK.choices), _values(args, kwargs))
+            PEAK.recording = timeline.start(dict(PEAK.choices), _values(args, kwargs),
+                                            [b for _, b in PLANNER.live()])
             return timeline.run(PEAK.recording, block, _runner(choice, block), func, args, kwargs)
     return _runner(choice, block)(func, args, kwargs)
 

@@ -105,8 +105,9 @@ def _nested(levels: Sequence[int], spans: list[list[tuple[int, int]]], options: 
     other beats on both are kept."""
     if any(len(s) > 1 for s in spans):
         return None, False
-    chosen = [max(range(len(opts)), key=lambda j: (opts[j].seconds, -j)) if not spans[i] else 0
-              for i, opts in enumerate(options)]  # a block with no span adds nothing anywhere
+    # A block with no span was not seen in the recorded step (another model's, called in other steps):
+    # what keeping it adds there is unknown, so it is recomputed.
+    chosen = [0] * len(options)
     nodes = sorted((s[0][0], -s[0][1], i) for i, s in enumerate(spans) if s)
     root = _Node(0, len(levels), None, [])
     stack = [root]
@@ -202,7 +203,7 @@ def _greedy(levels: Sequence[int], spans: list[list[tuple[int, int]]], options: 
             now = opts[chosen[i]]
             for j in range(chosen[i] + 1, len(opts)):
                 gain, extra = opts[j].seconds - now.seconds, opts[j].bytes - now.bytes
-                if gain <= 0:
+                if gain <= 0 or (extra > 0 and not spans[i]):  # no span: not seen in the recorded step
                     continue
                 if extra <= 0 or not spans[i]:
                     score = float("inf")

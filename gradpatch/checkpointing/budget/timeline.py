@@ -10,6 +10,11 @@ run as the plan being recorded says (every block recomputed, as under ``respect`
 recording); each call marks its forward's start and end and its recompute's start. Only this step runs under the mode (a few Python calls per
 operator); the user's own dispatch modes below it keep working.
 
+A step that does not call every block (two models trained in turns, each its own steps: a GAN's
+generator and discriminator) is recorded on until every block expected (:func:`start`) was called, up
+to :data:`STEPS` steps: between two steps the recording pauses (the optimizer's step, the next batch's
+loading are not the step's), and the plan covers each kind of step.
+
 A forward that no backward reaches before the step's own forward begins (a validation forward run
 with grad on, a forward that raised) is not a step of its own: its block calls are left out of
 :meth:`Recording.occurrences` (its memory stays in the levels, as it was alive), so the plan does not
@@ -40,6 +45,8 @@ class Recording(TorchDispatchMode):
         self.ended = self.backward = self.active = False
         self.choices: dict = {}
         self.reached: set[int] = set()  # calls a backward reached (or with nothing for one to reach)
+        self.expected: set[int] = set()  # ids of the blocks to record a call of (see start)
+        self.paused, self.steps = False, 0  # between two steps of the recording; steps ended
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         if self.ended:  # until the mode leaves the stack at the next block call (see finish)
@@ -135,17 +142,22 @@ class Marked:
     def _in_backward(self, grad: Any) -> None:
         recording = self.recording
         recording.reached.add(self.call)
-        if not recording.backward and not recording.ended:  # the backward's first block: note its end
+        if not (recording.backward or recording.ended or recording.paused):  # the backward's first block: note its end
             recording.backward = True
             torch.autograd.Variable._execution_engine.queue_callback(lambda: finish(recording))
 
 
-def start(choices: dict, inputs: tuple = ()) -> Recording:
+#: The most steps one recording spans while blocks it expects have not been called.
+STEPS = 3
+
+
+def start(choices: dict, inputs: tuple = (), expected: Any = ()) -> Recording:
     """Record the step beginning now, at its first block's call with ``inputs``; ``choices``: the plan
-    it runs (block -> choice), empty: every block recomputed. The inputs computed in this forward
-    count from the start."""
+    it runs (block -> choice), empty: every block recomputed; ``expected``: the blocks it records steps
+    until it has seen (module docstring). The inputs computed in this forward count from the start."""
     recording = Recording()
     recording.choices = choices
+    recording.expected = {id(block) for block in expected}
     recording.__enter__()
     for t in inputs:  # computed since the forward began (an input convolution's output): alive already
         if isinstance(t, torch.Tensor) and t.grad_fn is not None and _has_storage(t):
@@ -163,6 +175,11 @@ def run(recording: Recording, block: Any, runner: Callable[..., Any], func: Call
         kwargs: dict | None) -> Any:
     """One block call of the recorded step, run by ``runner(func, args, kwargs)`` (``paths.run``:
     recomputed as under ``respect``)."""
+    if recording.paused:  # the next step begins: it counts from what is allocated now, as a step of its own
+        recording.paused = False
+        recording.tracked.clear()
+        recording.now = recording.high = 0
+        recording.mark("B", -1)
     recording.calls.append(block)
     return runner(Marked(func, recording, len(recording.calls) - 1), args, kwargs)
 
@@ -171,7 +188,12 @@ def finish(recording: Recording) -> None:
     """The backward ended: the last interval. The mode stays on the stack, passing every op through:
     the autograd engine runs this callback with a copy of the thread's modes, which it puts back
     afterwards, so the mode can only leave from the thread itself (:func:`stop`)."""
-    if recording.ended:
+    if recording.ended or recording.paused:
+        return
+    recording.steps += 1
+    if recording.steps < STEPS and recording.expected - {id(block) for block in recording.calls}:
+        recording.mark("S", -1)  # blocks not called yet: another kind of step to come
+        recording.paused, recording.backward = True, False
         return
     recording.levels.append(recording.high)
     recording.ended = True
