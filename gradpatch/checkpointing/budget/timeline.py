@@ -148,7 +148,7 @@ class Marked:
 
 
 #: The most steps one recording spans while blocks it expects have not been called.
-STEPS = 3
+STEPS = 8
 
 
 def start(choices: dict, inputs: tuple = (), expected: Any = ()) -> Recording:
