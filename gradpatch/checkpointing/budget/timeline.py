@@ -13,7 +13,8 @@ operator); the user's own dispatch modes below it keep working.
 A step that does not call every block (two models trained in turns, each its own steps: a GAN's
 generator and discriminator) is recorded on until every block expected (:func:`start`) was called, up
 to :data:`STEPS` steps: between two steps the recording pauses (the optimizer's step, the next batch's
-loading are not the step's), and the plan covers each kind of step.
+loading are not the step's), each step counts from what was allocated when it began, and the plan
+covers each kind of step.
 
 A forward that no backward reaches before the step's own forward begins (a validation forward run
 with grad on, a forward that raised) is not a step of its own: its block calls are left out of
