@@ -200,6 +200,16 @@ def step_peak(model, x) -> int:
     return peak_and_end(run)[0]
 
 
+def respect_and_never(model, x) -> tuple[int, int]:
+    """The step's peak (allocator) with every block recomputed, and with every block kept."""
+    with gradpatch.checkpoint_policy_scope("respect"):
+        step(model, AUDIOLDM, x)
+        respect = step_peak(model, x)
+    with gradpatch.checkpoint_policy_scope("never"):
+        never = step_peak(model, x)
+    return respect, never
+
+
 def memtracker_peak(model, x) -> int:
     """The step's peak by torch's MemTracker (the independent measure on CPU), above its start."""
     return tracked_peak(model, lambda: AUDIOLDM.call(model, x).square().mean().backward())
@@ -214,11 +224,7 @@ def test_peak_within_size_and_prediction_gradients_exact(unet, monkeypatch):
     with monkeypatch.context() as mp:
         install(mp, AUDIOLDM, "none")
         want = step(unet, AUDIOLDM, x)
-    with gradpatch.checkpoint_policy_scope("respect"):
-        step(unet, AUDIOLDM, x)
-        respect = step_peak(unet, x)
-    with gradpatch.checkpoint_policy_scope("never"):
-        never = step_peak(unet, x)
+    respect, never = respect_and_never(unet, x)
     assert never > respect * 1.1  # room to plan in
     size = (respect + never) // 2
     with gradpatch.checkpoint_policy_scope(f"peak:{size}"):
@@ -284,17 +290,14 @@ def test_a_forward_without_backward_while_recording_leaves_no_mode_behind(unet, 
 def test_a_forward_without_backward_while_recording_does_not_count_its_blocks_twice(unet, monkeypatch, dropped):
     """A forward no backward reaches, begun while a step is recorded (a validation forward with grad on,
     its output held until the next step's; a forward that raised), is not planned as part of the step:
-    the plan is the one a clean recording gives (on the earlier code, every block counted twice: 6 or 7
-    of 12 kept instead of 10, with every block kept predicted at 17.8 MiB instead of 9.7). Gradients exact."""
+    the plan is the one a clean recording gives (on the earlier code, every block counted twice: 1 or 7
+    of 12 kept instead of 10, with every block kept predicted at 19.2 or 17.3 MiB instead of 9.7).
+    Gradients exact."""
     x = torch.randn(2, 4, 16, 16)
     with monkeypatch.context() as mp:
         install(mp, AUDIOLDM, "none")
         want = step(unet, AUDIOLDM, x)
-    with gradpatch.checkpoint_policy_scope("respect"):
-        step(unet, AUDIOLDM, x)
-        respect = step_peak(unet, x)
-    with gradpatch.checkpoint_policy_scope("never"):
-        never = step_peak(unet, x)
+    respect, never = respect_and_never(unet, x)
     size = (respect + never) // 2
     plans = []
     for polluted in (False, True):
@@ -354,11 +357,7 @@ def test_two_models_trained_in_turns_each_step_within_the_size(monkeypatch):
     budget.reset()
     with monkeypatch.context() as mp:
         install(mp, AUDIOLDM, "fixed")
-        with gradpatch.checkpoint_policy_scope("respect"):
-            step(b, AUDIOLDM, xb)
-            respect = step_peak(b, xb)
-        with gradpatch.checkpoint_policy_scope("never"):
-            never = step_peak(b, xb)
+        respect, never = respect_and_never(b, xb)
         size = (respect + never) // 2
         budget.reset()
         with gradpatch.checkpoint_policy_scope(f"peak:{size}"):

@@ -205,7 +205,7 @@ def _greedy(levels: Sequence[int], spans: list[list[tuple[int, int]]], options: 
                 gain, extra = opts[j].seconds - now.seconds, opts[j].bytes - now.bytes
                 if gain <= 0 or (extra > 0 and not spans[i]):  # no span: not seen in the recorded step
                     continue
-                if extra <= 0 or not spans[i]:
+                if extra <= 0:
                     score = float("inf")
                 else:
                     highest = max(max(totals[s:e]) for s, e in spans[i])
