@@ -39,7 +39,7 @@ import torch
 
 from gradpatch import settings
 from gradpatch.checkpointing import paths
-from gradpatch.checkpointing.budget import compiled, knapsack, measure, timeline
+from gradpatch.checkpointing.budget import compiled, knapsack, measure, resizes, timeline
 from gradpatch.checkpointing.budget.key import signature, size_of, state
 from gradpatch.checkpointing.budget.peak_choice import KEEP, RECOMPUTE, Occurrence, Option, PeakUnreachable, \
     choose, predict
@@ -58,6 +58,9 @@ class PeakPlan:
         self.reset()
 
     def reset(self) -> None:
+        recording = getattr(self, "recording", None)
+        if recording is not None:  # (budget.reset() during a recorded step)
+            timeline.stop(recording)
         self.epoch = -1  # the planner's epoch the recording belongs to
         self.recording: timeline.Recording | None = None  # in progress
         self.recorded: timeline.Recording | None = None  # ended
@@ -174,6 +177,8 @@ def run(func: Callable[..., Any], args: tuple, kwargs: dict | None, policy: str)
     if measure.measuring():
         measure.consumers(block, args if kwargs is None else (*args, *kwargs.values()))
     with PEAK.lock:
+        # (storages resized in place, FSDP's parameters, are watched until the plan's step is recorded)
+        resizes.planning(PEAK.recorded is None or PEAK.realised is None or PEAK.epoch != PLANNER.epoch)
         recording = PEAK.recording
         if recording is not None:
             if not recording.ended and not (recording.backward and block is _first()):

@@ -8,7 +8,7 @@ import torch
 
 from gradpatch import settings
 from gradpatch.checkpointing import paths
-from gradpatch.checkpointing.budget import compiled, measure, peak, traced
+from gradpatch.checkpointing.budget import compiled, measure, peak, resizes, traced
 from gradpatch.checkpointing.budget.key import signature, size_of, state
 from gradpatch.checkpointing.budget.planner import PLANNER, TIMING_CALLS
 from gradpatch.checkpointing.budget.report import Plan, PlanEntry
@@ -82,4 +82,5 @@ def reset() -> None:
     """Forget every measurement and plan: the next steps measure again."""
     PLANNER.reset()
     peak.PEAK.reset()
+    resizes.planning(False)
     traced.forget()

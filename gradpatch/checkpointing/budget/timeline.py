@@ -31,6 +31,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from gradpatch.checkpointing.budget import resizes
+
 
 class Recording(TorchDispatchMode):
     """The live-bytes count of one step and its marks (see the module docstring)."""
@@ -73,12 +75,31 @@ class Recording(TorchDispatchMode):
             self.tracked[key] = size
             self.now += size
             self.high = max(self.high, self.now)
-            weakref.finalize(storage, self._free, key, size)
+            weakref.finalize(storage, self._free, key)
         return out
 
-    def _free(self, key: int, size: int) -> None:
-        if self.tracked.pop(key, None) is not None:
-            self.now -= size
+    def _free(self, key: int) -> None:
+        counted = self.tracked.pop(key, None)
+        if counted is not None:
+            self.now -= counted
+
+    def resized(self, storage: Any, old: int, new: int) -> None:
+        """``storage`` resized in place from ``old`` to ``new`` bytes (:mod:`~gradpatch.checkpointing.budget.resizes`): what it gained
+        counts as allocated, what it gave back as freed, down to what this recording counted of it. One
+        that existed before the step and shrinks frees memory the step did not allocate: not counted."""
+        if self.ended or self.paused:
+            return
+        key = id(storage)
+        counted = self.tracked.get(key)
+        if counted is None:
+            if new <= old:
+                return
+            counted = self.tracked[key] = 0
+            weakref.finalize(storage, _freed, weakref.ref(self), key)  # (such storages outlive recordings)
+        change = max(new - old, -counted)
+        self.tracked[key] = counted + change
+        self.now += change
+        self.high = max(self.high, self.now)
 
     def mark(self, kind: str, call: int) -> None:
         self.levels.append(self.high)
@@ -166,9 +187,16 @@ def start(choices: dict, inputs: tuple = (), expected: Any = ()) -> Recording:
             if id(storage) not in recording.tracked:
                 recording.tracked[id(storage)] = storage.nbytes()
                 recording.now += storage.nbytes()
-                weakref.finalize(storage, recording._free, id(storage), storage.nbytes())
+                weakref.finalize(storage, recording._free, id(storage))
+    for storage, size in resizes.grown():  # grown in place before the step's first block (FSDP's root
+        key = id(storage)  # parameters, all-gathered as its forward began), still grown: alive already
+        if key not in recording.tracked:
+            recording.tracked[key] = size
+            recording.now += size
+            weakref.finalize(storage, _freed, weakref.ref(recording), key)
     recording.high = recording.now
     recording.active = True
+    resizes.follow(recording)
     return recording
 
 
@@ -204,6 +232,7 @@ def stop(recording: Recording) -> None:
     """Take the mode off this thread's stack if it is on top there, called from the thread that
     recorded (the next block call, :func:`gradpatch.checkpoint_plan`); it stops counting anyway."""
     recording.ended = True
+    resizes.leave(recording)
     if not recording.active or threading.get_ident() != recording.thread:
         return
     from torch.utils._python_dispatch import _get_current_dispatch_mode
@@ -211,6 +240,12 @@ def stop(recording: Recording) -> None:
     if _get_current_dispatch_mode() is recording:
         recording.active = False
         recording.__exit__(None, None, None)
+
+
+def _freed(recording: Any, key: int) -> None:
+    alive = recording()
+    if alive is not None:
+        alive._free(key)
 
 
 def _has_storage(t: torch.Tensor) -> bool:
