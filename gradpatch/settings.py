@@ -24,8 +24,8 @@ CHECKPOINT_POLICIES = ("respect", "always", "never")
 #: ``"budget:<size>"`` (``"budget:512MiB"``) keeps, among the blocks the caller asks to recompute,
 #: those that save the most time while keeping at most ``<size>`` bytes more activations than
 #: recomputing all of them (:mod:`gradpatch.checkpointing.budget`). ``"peak:<size>"`` (``"peak:6GiB"``)
-#: keeps the training step's peak memory, from its first checkpointed block on, at or under ``<size>``,
-#: choosing per block to keep, recompute or keep only its expensive ops' outputs
+#: keeps the training step's peak memory, from its forward's start to its backward's end, at or under
+#: ``<size>``, choosing per block to keep or recompute it
 #: (:mod:`gradpatch.checkpointing.budget.peak`).
 checkpoint_policy = "respect"
 

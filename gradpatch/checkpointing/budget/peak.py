@@ -1,6 +1,7 @@
-"""The ``peak:<size>`` checkpoint policy: the training step's peak memory, from its first checkpointed
-block's call to the end of its backward, stays at or under ``<size>``, with as little recompute as that
-allows. The plan leaves :data:`HEADROOM` (3%) of the size free for what its recording does not see.
+"""The ``peak:<size>`` checkpoint policy: the training step's peak memory, from the start of the forward
+that calls its checkpointed blocks to the end of its backward, stays at or under ``<size>``, with as
+little recompute as that allows (the start: the call of the module whose forward runs the step's first
+block, :mod:`~gradpatch.checkpointing.budget.forward_start`). The plan leaves :data:`HEADROOM` (3%) of the size free for what its recording does not see.
 
 It shares the ``budget:<size>`` policy's blocks and their measurement
 (:mod:`gradpatch.checkpointing.budget`): during the first :data:`TIMING_CALLS` steps every block is
@@ -39,12 +40,11 @@ import torch
 
 from gradpatch import settings
 from gradpatch.checkpointing import paths
-from gradpatch.checkpointing.budget import compiled, knapsack, measure, resizes, timeline
+from gradpatch.checkpointing.budget import compiled, forward_start, knapsack, measure, resizes, timeline
 from gradpatch.checkpointing.budget.key import signature, size_of, state
 from gradpatch.checkpointing.budget.peak_choice import KEEP, RECOMPUTE, Occurrence, Option, PeakUnreachable, \
     choose, predict
 from gradpatch.checkpointing.budget.planner import PLANNER, TIMING_CALLS, Block, items_of
-from gradpatch.checkpointing.budget.report import Plan, PlanEntry
 from gradpatch.checkpointing.compat import is_compiling
 
 __all__ = ["PeakUnreachable", "TIMING_CALLS", "run", "PEAK"]
@@ -72,7 +72,7 @@ class PeakPlan:
         self.margin, self.tries = 0, 0  # what recorded plans peaked above their predictions, summed; plans tried
         self.options: weakref.WeakKeyDictionary[Block, list[Option]] = weakref.WeakKeyDictionary()
         self.plans: dict[int, tuple] = {}  # size -> the plan's state (_STATE), for sizes that alternate
-        self.dropped = False  # a recording with an abandoned forward was dropped (see _settle)
+        self.dropped = False  # a recording with an abandoned forward was dropped (see settle)
 
     def solve(self, size: int, again: bool = False) -> None:
         """Choose the kept blocks for ``size`` (the plan made for it before, unless ``again``)."""
@@ -166,6 +166,11 @@ PEAK = PeakPlan()
 
 def run(func: Callable[..., Any], args: tuple, kwargs: dict | None, policy: str) -> Any:
     """``checkpoint``'s work under ``policy = "peak:<size>"``, called with ``flag=True`` in grad mode."""
+    with forward_start.in_block():  # (module calls inside a block begin no recording)
+        return _run(func, args, kwargs, policy)
+
+
+def _run(func: Callable[..., Any], args: tuple, kwargs: dict | None, policy: str) -> Any:
     owner = getattr(func, "__self__", None)
     function = getattr(func, "__func__", None)
     if is_compiling():
@@ -177,35 +182,45 @@ def run(func: Callable[..., Any], args: tuple, kwargs: dict | None, policy: str)
     if measure.measuring():
         measure.consumers(block, args if kwargs is None else (*args, *kwargs.values()))
     with PEAK.lock:
-        # (storages resized in place, FSDP's parameters, are watched until the plan's step is recorded)
-        resizes.planning(PEAK.recorded is None or PEAK.realised is None or PEAK.epoch != PLANNER.epoch)
+        # Until the plan's step is recorded: storages resized in place (FSDP's parameters) are watched, and
+        # a recording begins at the step's forward's start (taken by its first block, or dropped).
+        planning = PEAK.recorded is None or PEAK.realised is None or PEAK.epoch != PLANNER.epoch
+        resizes.planning(planning)
+        forward_start.planning(planning)
+        early = forward_start.take(block is _first())
         recording = PEAK.recording
         if recording is not None:
             if not recording.ended and not (recording.backward and block is _first()):
+                if early is not None:  # (a recording is under way: this step's own forward began in it)
+                    timeline.stop(early)
                 return timeline.run(recording, block, _runner(recording.choices.get(block, RECOMPUTE), block),
                                     func, args, kwargs)
-            _settle()  # ended, or a new step began before the backward ended
+            settle()  # ended, or a new step began before the backward ended
         if not block.measured:
+            _drop(early)
             return measure.measure(block, func, args, kwargs)
         if PEAK.epoch != PLANNER.epoch:  # new blocks since the recording: measure and record again
             PEAK.reset()
             PEAK.epoch = PLANNER.epoch
         if PEAK.recorded is None:
             if block is _first() and all(b.measured for _, b in PLANNER.live()):
-                PEAK.recording = timeline.start({}, _values(args, kwargs), [b for _, b in PLANNER.live()])
+                PEAK.recording = timeline.start({}, _values(args, kwargs), [b for _, b in PLANNER.live()], early)
                 return timeline.run(PEAK.recording, block, paths.run, func, args, kwargs)
+            _drop(early)
             return paths.run(func, args, kwargs)
         size = settings.peak_bytes(policy)
         if PEAK.solved_for != size:
             PEAK.solve(size)
         if PEAK.unreachable is not None:
+            _drop(early)
             raise PeakUnreachable(_unreachable(policy, size, PEAK.floor or 0))
         choice = PEAK.choices.get(block, RECOMPUTE)
         if PEAK.realised is None and block is _first():
             # The plan's first step is recorded too: its peak measured, not only predicted.
             PEAK.recording = timeline.start(dict(PEAK.choices), _values(args, kwargs),
-                                            [b for _, b in PLANNER.live()])
+                                            [b for _, b in PLANNER.live()], early)
             return timeline.run(PEAK.recording, block, _runner(choice, block), func, args, kwargs)
+        _drop(early)
     return _runner(choice, block)(func, args, kwargs)
 
 
@@ -216,7 +231,7 @@ def _unplanned_in_compiled_region() -> bool:
     return True
 
 
-def _settle() -> None:
+def settle() -> None:
     """Take the recording in progress off the stack and, if its step ended, use it."""
     recording = PEAK.recording
     if recording is None:
@@ -250,36 +265,9 @@ def _runner(choice: str, block: Block) -> Callable[[Callable[..., Any], tuple, d
     return paths.run
 
 
-def report(model: torch.nn.Module | None, policy: str) -> Plan:
-    """:func:`gradpatch.checkpoint_plan` under ``peak:<size>``."""
-    with PEAK.lock:
-        if PEAK.recording is not None and PEAK.recording.ended:
-            _settle()
-        if PEAK.recorded is not None and PEAK.epoch == PLANNER.epoch \
-                and PEAK.solved_for != settings.peak_bytes(policy):
-            PEAK.solve(settings.peak_bytes(policy))
-        planned = PEAK.recorded is not None and PEAK.epoch == PLANNER.epoch
-        paths_in = {id(m): p for p, m in model.named_modules()} if model is not None else None
-        entries = []
-        for owner, block in PLANNER.live():
-            if paths_in is not None and id(owner) not in paths_in:
-                continue
-            name = block.name if paths_in is None else f"{paths_in[id(owner)]}.{block.name.split('.')[-1]}"
-            known = block.measured and not block.opaque
-            choice = PEAK.choices.get(block, RECOMPUTE) if planned else RECOMPUTE
-            opts = {o.kind: o for o in PEAK.options.get(block, ())}
-            shown = opts.get(choice if choice != RECOMPUTE else KEEP)
-            size = shown.bytes if shown is not None else block.bytes if known else None
-            seconds = shown.seconds if shown is not None else block.seconds if known else None
-            entries.append(PlanEntry(name, size, seconds, choice != KEEP, block.measured,
-                                     block.why if block.opaque else None, choice))
-        plan = Plan(entries)
-        plan.policy, plan.budget = policy, settings.peak_bytes(policy)
-        if planned:
-            plan.smallest_peak, plan.largest_peak = PEAK.floor, PEAK.ceiling
-            # Once the plan's first step is recorded, its peak is the prediction for the next steps.
-            plan.predicted_peak = PEAK.realised if PEAK.realised is not None else PEAK.predicted
-        return plan
+def _drop(early: timeline.Recording | None) -> None:
+    if early is not None:
+        timeline.stop(early)
 
 
 def _first() -> Block | None:
@@ -295,5 +283,5 @@ def _unreachable(policy: str, size: int, floor: int) -> str:
     need = -(-floor * 101 // 100 // 2**20)
     return (f"checkpoint policy {policy!r}: no plan keeps this step's peak within {size / 2**20:.2f} MiB; "
             f"the smallest peak reachable is {floor / 2**20:.2f} MiB, with every checkpointed block "
-            f"recomputed (measured from the first checkpointed block's call to the end of the backward). "
+            f"recomputed (measured from the forward's start to the end of the backward). "
             f"Use peak:{need}MiB or more, a smaller batch, or checkpoint more of the model")

@@ -8,7 +8,7 @@ import torch
 
 from gradpatch import settings
 from gradpatch.checkpointing import paths
-from gradpatch.checkpointing.budget import compiled, measure, peak, resizes, traced
+from gradpatch.checkpointing.budget import compiled, forward_start, measure, peak, peak_report, resizes, traced
 from gradpatch.checkpointing.budget.key import signature, size_of, state
 from gradpatch.checkpointing.budget.planner import PLANNER, TIMING_CALLS
 from gradpatch.checkpointing.budget.report import Plan, PlanEntry
@@ -61,7 +61,7 @@ def checkpoint_plan(model: torch.nn.Module | None = None) -> Plan:
     if settings.is_budget(policy):  # measured since the last call: plan now
         PLANNER.solve(settings.budget_bytes(policy))
     if settings.is_peak(policy):
-        return peak.report(model, policy)
+        return peak_report.report(model, policy)
     paths_in = {id(m): p for p, m in model.named_modules()} if model is not None else None
     entries = []
     for owner, block in PLANNER.live():  # the current blocks
@@ -83,4 +83,5 @@ def reset() -> None:
     PLANNER.reset()
     peak.PEAK.reset()
     resizes.planning(False)
+    forward_start.planning(False)
     traced.forget()

@@ -31,7 +31,7 @@ class Plan(tuple):  # type: ignore[type-arg]
     budget: int | None
     #: Under ``peak:<size>``, once the step is recorded: the predicted peak of this plan, the smallest
     #: peak reachable (every block recomputed) and the peak with every block kept, in bytes above
-    #: what was allocated when the first checkpointed block began; otherwise None.
+    #: what was allocated when the step's forward began; otherwise None.
     predicted_peak: int | None = None
     smallest_peak: int | None = None
     largest_peak: int | None = None

@@ -5,8 +5,8 @@ FSDP all-gathers a module's parameters into storages it keeps, and frees them, w
 reason). While a step is recorded or a plan is being made (:func:`planning`, from the plan's first
 measuring step until its own step is recorded), the method is wrapped, around whatever was there
 before: each resize is passed to the recordings in progress (``recording.resized``), and the storages
-it grew are noted, so that a recording starting at a step's first checkpointed block counts those
-grown since (:func:`grown`: FSDP's root parameters, all-gathered as the forward began). Otherwise the
+it grew are noted, so that a recording that could only start at a step's first checkpointed block
+counts those grown before it (:func:`grown`: FSDP's root parameters, all-gathered as the forward began). Otherwise the
 method is torch's own, or what a tool wrapped on top of this one left there.
 """
 from __future__ import annotations

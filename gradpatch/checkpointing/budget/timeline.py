@@ -1,8 +1,8 @@
 """One training step's memory, measured for the ``peak:<size>`` policy (:mod:`gradpatch.checkpointing.budget.peak`):
 the most bytes alive between each two block events.
 
-The step is recorded from its first checkpointed block's call to the end of its backward (an autograd
-callback) by a :class:`~torch.utils._python_dispatch.TorchDispatchMode` that counts each storage an
+The step is recorded from its forward's start (:mod:`~gradpatch.checkpointing.budget.forward_start`;
+else its first checkpointed block's call) to the end of its backward (an autograd callback) by a :class:`~torch.utils._python_dispatch.TorchDispatchMode` that counts each storage an
 operator creates (not a view or an in-place result: those share an input's storage) and, through a
 weak reference on the storage, when it is freed: bytes alive above the step's start, as the allocator
 would count them (without its rounding), for the step's tensors whichever code holds them. The blocks
@@ -173,10 +173,15 @@ class Marked:
 STEPS = 8
 
 
-def start(choices: dict, inputs: tuple = (), expected: Any = ()) -> Recording:
+def start(choices: dict, inputs: tuple = (), expected: Any = (), early: Recording | None = None) -> Recording:
     """Record the step beginning now, at its first block's call with ``inputs``; ``choices``: the plan
     it runs (block -> choice), empty: every block recomputed; ``expected``: the blocks it records steps
-    until it has seen (module docstring). The inputs computed in this forward count from the start."""
+    until it has seen (module docstring). The inputs computed in this forward count from the start.
+    ``early``: a recording begun at the step's forward's start
+    (:mod:`~gradpatch.checkpointing.budget.forward_start`), which becomes this one."""
+    if early is not None:
+        early.choices, early.expected = choices, {id(block) for block in expected}
+        return early
     recording = Recording()
     recording.choices = choices
     recording.expected = {id(block) for block in expected}
@@ -240,6 +245,17 @@ def stop(recording: Recording) -> None:
     if _get_current_dispatch_mode() is recording:
         recording.active = False
         recording.__exit__(None, None, None)
+
+
+def unwind() -> None:
+    """Take ended recordings off the top of this thread's dispatch stack (before another is pushed)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    mode = _get_current_dispatch_mode()
+    while isinstance(mode, Recording) and mode.ended and mode.active and mode.thread == threading.get_ident():
+        mode.active = False
+        mode.__exit__(None, None, None)
+        mode = _get_current_dispatch_mode()
 
 
 def _freed(recording: Any, key: int) -> None:
