@@ -10,8 +10,8 @@ to be the step's recording or dropped if this step is not recorded; a module cal
 running a block (a frozen encoder, a validation forward, a loss module) drops it and arms again, and a
 block other than the first (the recording began mid-step) drops it too. The global module hooks are
 registered only while armed (the pre-hook) or while such a recording runs (its module's post-hook),
-and module calls inside a block begin none. A step whose first block is called outside any module call begins at
-that block, as without this.
+and module calls inside a block begin none. A step whose first block is called outside any module
+call begins at that block, as without this.
 """
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The ``peak:<size>`` plan as :func:`gradpatch.checkpoint_plan` reports it (:mod:`gradpatch.checkpointing.budget.peak`)."""
+"""The ``peak:<size>`` plan (:mod:`gradpatch.checkpointing.budget.peak`) as :func:`gradpatch.checkpoint_plan`
+reports it."""
 from __future__ import annotations
 
 import torch

@@ -2,8 +2,8 @@
 the most bytes alive between each two block events.
 
 The step is recorded from its forward's start (:mod:`~gradpatch.checkpointing.budget.forward_start`;
-else its first checkpointed block's call) to the end of its backward (an autograd callback) by a :class:`~torch.utils._python_dispatch.TorchDispatchMode` that counts each storage an
-operator creates (not a view or an in-place result: those share an input's storage) and, through a
+else its first checkpointed block's call) to the end of its backward (an autograd callback) by a
+:class:`~torch.utils._python_dispatch.TorchDispatchMode` that counts each storage an operator creates (not a view or an in-place result: those share an input's storage) and, through a
 weak reference on the storage, when it is freed: bytes alive above the step's start, as the allocator
 would count them (without its rounding), for the step's tensors whichever code holds them. The blocks
 run as the plan being recorded says (every block recomputed, as under ``respect``, for the first
@@ -84,9 +84,10 @@ class Recording(TorchDispatchMode):
             self.now -= counted
 
     def resized(self, storage: Any, old: int, new: int) -> None:
-        """``storage`` resized in place from ``old`` to ``new`` bytes (:mod:`~gradpatch.checkpointing.budget.resizes`): what it gained
-        counts as allocated, what it gave back as freed, down to what this recording counted of it. One
-        that existed before the step and shrinks frees memory the step did not allocate: not counted."""
+        """``storage`` resized in place from ``old`` to ``new`` bytes
+        (:mod:`~gradpatch.checkpointing.budget.resizes`): what it gained counts as allocated, what it gave
+        back as freed, down to what this recording counted of it. One that existed before the step and
+        shrinks frees memory the step did not allocate: not counted."""
         if self.ended or self.paused:
             return
         key = id(storage)
