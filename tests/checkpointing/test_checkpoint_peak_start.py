@@ -128,7 +128,8 @@ def test_what_the_forward_allocates_before_the_first_block_counts(monkeypatch):
     activations count, and the smallest peak the plan sees is within 5% of MemTracker's with every block
     recomputed: 6.71 against 6.80 MiB (the earlier code began at the first block: 5.57 MiB, 0.82 of it). A
     validation forward under ``no_grad`` between the planning steps begins and drops a recording of its
-    own; once planned, no module hook of the plan's is left and gradients are those of no checkpoint."""
+    own; once planned, no hook of the plan's is left on the model and gradients are those of no
+    checkpoint."""
     from torch.nn.modules import module as nn_module
 
     from checkpoint_models import build, install
@@ -165,6 +166,7 @@ def test_what_the_forward_allocates_before_the_first_block_counts(monkeypatch):
         budget.reset()
     assert plan.smallest_peak == pytest.approx(respect, rel=0.05), (plan.smallest_peak / MiB, respect / MiB)
     assert (dict(nn_module._global_forward_pre_hooks), dict(nn_module._global_forward_hooks)) == hooks_before
+    assert not model._forward_pre_hooks and not model._forward_hooks  # the root's, gone once planned
     for name, grad in want.items():
         scale = max(g.abs().max() for g in want.values())
         assert (got[name] - grad).abs().max() <= 1e-5 * scale, name

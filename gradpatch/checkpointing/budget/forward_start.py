@@ -3,106 +3,98 @@
 A step's peak counts from what was allocated when its forward began, but ``peak:`` learns that a step
 began at its first checkpointed block's call, after the layers before it ran: their activations, and
 under FSDP the root's all-gather buffers and the next unit's prefetch, would go unseen. So while a plan
-is made (:func:`planning`), the recording begins earlier: armed at the end of the module call that ran
-a step's first block, the next module call (outside a backward, on the same thread) starts one
-(:func:`gradpatch.checkpointing.budget.timeline.start`). The step's first block takes it (:func:`take`),
-to be the step's recording or dropped if this step is not recorded; a module call that returns without
-running a block (a frozen encoder, a validation forward, a loss module) drops it and arms again, and a
-block other than the first (the recording began mid-step) drops it too. The global module hooks are
-registered only while armed (the pre-hook) or while such a recording runs (its module's post-hook),
-and module calls inside a block begin none. A step whose first block is called outside any module
-call begins at that block, as without this.
+is made (:func:`planning`), the first block's call looks up the outermost module call under way (the
+model, or the DDP or FSDP wrapper around it: the step's root) and puts a forward pre-hook first on it
+and a forward hook: each later call of the root starts a recording
+(:func:`gradpatch.checkpointing.budget.timeline.start`) before anything else runs, FSDP's all-gather
+included. The step's first block takes it (:func:`take`), to be the step's recording or dropped if
+this step is not recorded; a call of the root that returns without having run one (a validation
+forward) drops it. The hooks are the root's own (torch's global module hooks would make
+``torch.compile`` warn) and go when the plan is made. A step whose first block is called outside any
+module call begins at that block, as without this.
 """
 from __future__ import annotations
 
-import contextlib
+import sys
 import threading
-from typing import Any, Iterator
+import weakref
+from types import FrameType
+from typing import Any
 
 import torch
-from torch.nn.modules import module as nn_module
 
 from gradpatch.checkpointing.budget import timeline
 
-_state: dict[str, Any] = {"planning": False, "armed": False, "pre": None, "post": None, "owner": None,
-                          "early": None, "thread": None, "blocks": 0}
+_state: dict[str, Any] = {"planning": False, "root": None, "hooks": (), "early": None, "thread": None}
+_CALLS = frozenset({torch.nn.Module._call_impl.__code__, torch.nn.Module.__call__.__code__,
+                    getattr(torch.nn.Module, "_wrapped_call_impl", torch.nn.Module.__call__).__code__})
 
 
 def planning(on: bool) -> None:
-    """Whether a plan is being made: each step's recording begins at its forward's start from the next
-    step on (armed when this step's module call ends)."""
+    """Whether a plan is being made: from the next step on, each step's recording begins as its root's
+    call does."""
     if _state["planning"] is on:
         return
     _state["planning"] = on
     _state["thread"] = threading.get_ident()
-    if on:  # armed once the module call under way ends (at the next block: see take)
-        return
-    _state["armed"] = False
-    _drop_hooks()
+    if not on:
+        _unhook()
+        _drop()
+
+
+def take(first: bool) -> timeline.Recording | None:
+    """At a block's call while planning: the recording begun at this step's forward's start if the block
+    is the step's first (``first``), else None (one begun outside this step is dropped). The first
+    block's call hooks the root it runs in."""
+    early, _state["early"] = _state["early"], None
+    if early is not None and not first:
+        timeline.stop(early)
+        early = None
+    if first and _state["planning"]:
+        root = _root()
+        hooked = _state["root"]() if _state["root"] is not None else None
+        if root is not None and root is not hooked:
+            _unhook()
+            _state["root"] = weakref.ref(root)
+            _state["hooks"] = (root.register_forward_pre_hook(_pre, prepend=True),
+                               root.register_forward_hook(_post, always_call=True))
+    return early
+
+
+def _root() -> torch.nn.Module | None:
+    """The module of the outermost module call on this thread's stack."""
+    frame: FrameType | None = sys._getframe(2)
+    root = None
+    while frame is not None:
+        if frame.f_code in _CALLS:
+            module = frame.f_locals.get("self")
+            if isinstance(module, torch.nn.Module):
+                root = module
+        frame = frame.f_back
+    return root
+
+
+def _pre(module: torch.nn.Module, args: Any) -> None:
+    if not _state["planning"] or threading.get_ident() != _state["thread"] \
+            or torch._C._current_graph_task_id() != -1:
+        return  # (a checkpoint's recompute in backward calls modules too)
+    _drop()
+    timeline.unwind()  # an ended recording still on the stack leaves it first
+    _state["early"] = timeline.start({})
+
+
+def _post(module: torch.nn.Module, args: Any, out: Any) -> None:
+    if threading.get_ident() == _state["thread"]:
+        _drop()  # (not taken: no checkpointed block ran in this call)
+
+
+def _drop() -> None:
     early, _state["early"] = _state["early"], None
     if early is not None:
         timeline.stop(early)
 
 
-def take(first: bool) -> timeline.Recording | None:
-    """At a block's call: the recording begun at this step's forward's start if the block is the step's
-    first (``first``), else None (one begun mid-step is dropped). Arms for the next step where nothing
-    is under way yet (the first block since planning began)."""
-    early, _state["early"] = _state["early"], None
-    if early is not None and not first:
-        timeline.stop(early)
-        early = None
-    if _state["planning"] and first and _state["owner"] is None and not _state["armed"]:
-        _arm()  # (planning began inside this step: from the next module call outside a block on)
-    return early
-
-
-@contextlib.contextmanager
-def in_block() -> Iterator[None]:
-    """A checkpointed block's call: module calls inside it begin no recording."""
-    _state["blocks"] += 1
-    try:
-        yield
-    finally:
-        _state["blocks"] -= 1
-
-
-def _arm() -> None:
-    _state["armed"] = True
-    if _state["pre"] is None:
-        _state["pre"] = nn_module.register_module_forward_pre_hook(_pre)
-
-
-def _pre(module: torch.nn.Module, args: Any) -> None:
-    if not _state["armed"] or _state["blocks"] or threading.get_ident() != _state["thread"] \
-            or torch._C._current_graph_task_id() != -1:
-        return  # (inside a block; a checkpoint's recompute in backward calls modules too)
-    _state["armed"] = False
-    _state["pre"].remove()
-    _state["pre"] = None
-    timeline.unwind()  # an ended recording still on the stack leaves it first
-    _state["owner"] = module
-    _state["early"] = timeline.start({})
-    _state["post"] = nn_module.register_module_forward_hook(_post, always_call=True)
-
-
-def _post(module: torch.nn.Module, args: Any, out: Any) -> None:
-    if module is not _state["owner"]:
-        return
-    _state["owner"] = None
-    if _state["post"] is not None:
-        _state["post"].remove()
-        _state["post"] = None
-    early, _state["early"] = _state["early"], None
-    if early is not None:  # no checkpointed block ran in it
-        timeline.stop(early)
-    if _state["planning"]:
-        _arm()
-
-
-def _drop_hooks() -> None:
-    for name in ("pre", "post"):
-        if _state[name] is not None:
-            _state[name].remove()
-            _state[name] = None
-    _state["owner"] = None
+def _unhook() -> None:
+    for handle in _state["hooks"]:
+        handle.remove()
+    _state["hooks"], _state["root"] = (), None

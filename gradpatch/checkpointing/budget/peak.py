@@ -167,11 +167,6 @@ PEAK = PeakPlan()
 
 def run(func: Callable[..., Any], args: tuple, kwargs: dict | None, policy: str) -> Any:
     """``checkpoint``'s work under ``policy = "peak:<size>"``, called with ``flag=True`` in grad mode."""
-    with forward_start.in_block():  # (module calls inside a block begin no recording)
-        return _run(func, args, kwargs, policy)
-
-
-def _run(func: Callable[..., Any], args: tuple, kwargs: dict | None, policy: str) -> Any:
     owner = getattr(func, "__self__", None)
     function = getattr(func, "__func__", None)
     if is_compiling():
