@@ -1,7 +1,7 @@
 """The ``peak:<size>`` checkpoint policy: the training step's peak memory, from the start of the forward
 that calls its checkpointed blocks to the end of its backward, stays at or under ``<size>``, with as
-little recompute as that allows (the start: the call of the module whose forward runs the step's first
-block, :mod:`~gradpatch.checkpointing.budget.forward_start`). The plan leaves :data:`HEADROOM` (3%) of
+little recompute as that allows (the start: the call of the outermost module whose forward runs the
+step's first block, :mod:`~gradpatch.checkpointing.budget.forward_start`). The plan leaves :data:`HEADROOM` (3%) of
 the size free for what its recording does not see.
 
 It shares the ``budget:<size>`` policy's blocks and their measurement
