@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from gradpatch import settings
 from gradpatch.checkpointing.budget import timeline
 
 _state: dict[str, Any] = {"planning": False, "root": None, "hooks": (), "early": None, "thread": None}
@@ -76,8 +77,8 @@ def _root() -> torch.nn.Module | None:
 
 def _pre(module: torch.nn.Module, args: Any) -> None:
     if not _state["planning"] or threading.get_ident() != _state["thread"] \
-            or torch._C._current_graph_task_id() != -1:
-        return  # (a checkpoint's recompute in backward calls modules too)
+            or torch._C._current_graph_task_id() != -1 or not settings.is_peak(settings.checkpoint_policy):
+        return  # (a checkpoint's recompute in backward calls modules too; another policy for now)
     _drop()
     timeline.unwind()  # an ended recording still on the stack leaves it first
     _state["early"] = timeline.start({})
