@@ -183,10 +183,12 @@ def run(func: Callable[..., Any], args: tuple, kwargs: dict | None, policy: str)
         planning = PEAK.recorded is None or PEAK.realised is None or PEAK.epoch != PLANNER.epoch
         resizes.planning(planning)
         forward_start.planning(planning)
-        early = forward_start.take(block is _first())
+        # (the blocks sorted: once a call while planning, never once planned; every use below is planning's)
+        first = planning and block is _first()
+        early = forward_start.take(first) if planning else None
         recording = PEAK.recording
         if recording is not None:
-            if not recording.ended and not (recording.backward and block is _first()):
+            if not recording.ended and not (recording.backward and first):
                 if early is not None:  # (a recording is under way: this step's own forward began in it)
                     timeline.stop(early)
                 return timeline.run(recording, block, _runner(recording.choices.get(block, RECOMPUTE), block),
@@ -199,7 +201,7 @@ def run(func: Callable[..., Any], args: tuple, kwargs: dict | None, policy: str)
             PEAK.reset()
             PEAK.epoch = PLANNER.epoch
         if PEAK.recorded is None:
-            if block is _first() and all(b.measured for _, b in PLANNER.live()):
+            if first and all(b.measured for _, b in PLANNER.live()):
                 PEAK.recording = timeline.start({}, _values(args, kwargs), [b for _, b in PLANNER.live()], early)
                 return timeline.run(PEAK.recording, block, paths.run, func, args, kwargs)
             _drop(early)
@@ -211,7 +213,7 @@ def run(func: Callable[..., Any], args: tuple, kwargs: dict | None, policy: str)
             _drop(early)
             raise PeakUnreachable(_unreachable(policy, size, PEAK.floor or 0))
         choice = PEAK.choices.get(block, RECOMPUTE)
-        if PEAK.realised is None and block is _first():
+        if PEAK.realised is None and first:
             # The plan's first step is recorded too: its peak measured, not only predicted.
             PEAK.recording = timeline.start(dict(PEAK.choices), _values(args, kwargs),
                                             [b for _, b in PLANNER.live()], early)

@@ -3,12 +3,13 @@ the most bytes alive between each two block events.
 
 The step is recorded from its forward's start (:mod:`~gradpatch.checkpointing.budget.forward_start`;
 else its first checkpointed block's call) to the end of its backward (an autograd callback) by a
-:class:`~torch.utils._python_dispatch.TorchDispatchMode` that counts each storage an operator creates (not a view or an in-place result: those share an input's storage) and, through a
-weak reference on the storage, when it is freed: bytes alive above the step's start, as the allocator
-would count them (without its rounding), for the step's tensors whichever code holds them. The blocks
-run as the plan being recorded says (every block recomputed, as under ``respect``, for the first
-recording); each call marks its forward's start and end and its recompute's start. Only this step runs under the mode (a few Python calls per
-operator); the user's own dispatch modes below it keep working.
+:class:`~torch.utils._python_dispatch.TorchDispatchMode` that counts each storage an operator creates
+(not a view or an in-place result: those share an input's storage) and, through a weak reference on
+the storage, when it is freed: bytes alive above the step's start, as the allocator would count them
+(without its rounding), for the step's tensors whichever code holds them. The blocks run as the plan
+being recorded says (every block recomputed, as under ``respect``, for the first recording); each call
+marks its forward's start and end and its recompute's start. Only this step runs under the mode (a few
+Python calls per operator); the user's own dispatch modes below it keep working.
 
 A step that does not call every block (two models trained in turns, each its own steps: a GAN's
 generator and discriminator) is recorded on until every block expected (:func:`start`) was called, up
