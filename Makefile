@@ -31,7 +31,8 @@ SKIP_TORCH_LOWER ?=
 NEWEST_VENV ?= .venv-torch-newest
 NEWEST_PY := $(NEWEST_VENV)/bin/python
 NEWEST_TESTS := $(LOWER_TESTS) tests/checkpointing/test_checkpoint_functorch.py \
-	tests/checkpointing/test_checkpoint_budget_compile.py tests/patching/test_versions.py \
+	tests/checkpointing/test_checkpoint_budget_compile.py tests/checkpointing/test_checkpoint_peak_compile.py \
+	tests/patching/test_versions.py \
 	tests/upstream/test_diffusers_pipelines.py
 SKIP_TORCH_NEWEST ?=
 

@@ -16,7 +16,7 @@ from gradpatch.checkpointing import budget
 from gradpatch.checkpointing.budget import peak, peak_choice
 from gradpatch.checkpointing.budget.peak_choice import KEEP, RECOMPUTE, Occurrence, Option
 from checkpoint_models import TARGETS, assert_grads_equal, build, install, step
-from support import last_json, memtracker_peak as tracked_peak, run_python
+from support import memtracker_peak as tracked_peak
 from test_checkpoint_memory import peak_and_end
 
 AUDIOLDM = TARGETS["audioldm"]
@@ -389,46 +389,6 @@ def test_report_and_doctor_show_the_peak_plan(unet, capsys):
             step(unet, AUDIOLDM, x)
     err = capsys.readouterr().err
     assert "checkpoint policy peak:1GiB: predicted peak" in err and "output_blocks.1.0._forward" in err
-
-
-def test_compiled_regions_are_recomputed_under_peak_with_one_warning():
-    """peak:<size> does not plan inside torch.compile: the blocks there are recomputed (torch's
-    checkpoint), gradients exact, and the compilation's end warns once (fresh interpreter)."""
-    code = """
-import json, warnings
-import torch, torch.nn as nn
-from gradpatch import settings
-from gradpatch.checkpointing.checkpoint import checkpoint
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(8, 8)
-    def forward(self, x):
-        return checkpoint(self._forward, (x,), self.parameters(), True)
-    def _forward(self, x):
-        return x + torch.tanh(self.fc(x))
-
-torch.manual_seed(0)
-model = nn.Sequential(Block(), Block()).double()
-x = torch.randn(4, 8, dtype=torch.float64)
-def grads(run):
-    model.zero_grad(set_to_none=True)
-    run(x).square().sum().backward()
-    return [p.grad.clone() for p in model.parameters()]
-with settings.checkpoint_policy_scope("never"):
-    want = grads(model)
-with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always")
-    with settings.checkpoint_policy_scope("peak:1GiB"):
-        compiled = torch.compile(model, backend="eager")
-        got = [grads(compiled) for _ in range(3)]
-errors = max(float((g - w).abs().max()) for run in got for g, w in zip(run, want))
-print(json.dumps([errors, [str(w.message) for w in caught if "peak" in str(w.message)]]))
-"""
-    errors, messages = last_json(run_python(code))
-    assert errors < 1e-12
-    assert len(messages) == 1 and "does not plan blocks inside torch.compile regions" in messages[0], messages
 
 
 def test_two_sizes_alternating_keep_their_plans(unet):

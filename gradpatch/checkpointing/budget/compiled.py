@@ -1,4 +1,5 @@
-"""The ``budget:<size>`` policy and torch.compile: one warning where a compiled region cannot plan a block.
+"""The ``budget:<size>`` and ``peak:<size>`` policies and torch.compile: one warning where a compiled region
+cannot plan a block.
 
 Compiled regions are planned (:mod:`gradpatch.checkpointing.budget.traced`): each checkpointed block
 there is traced kept or recomputed as the plan says, measured eagerly while the plan is incomplete.
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import warnings
 
-_state: dict = {"registered": False, "warned": False, "why": None}
+_state: dict = {"registered": False, "warned": False, "why": None, "unrecorded": False}
 
 MESSAGE = ("gradpatch: checkpoint policy {policy!r} is not applied inside torch.compile regions where "
            "it cannot measure or bound a block ({why}): such checkpointed blocks take torch's checkpoint "
@@ -23,11 +24,6 @@ MESSAGE = ("gradpatch: checkpoint policy {policy!r} is not applied inside torch.
            "planned. To have them planned, run the first steps eagerly or compile without fullgraph=True "
            "(they are measured on the first steps, then the plan is compiled in), with static shapes; "
            "to keep them, use the 'never' policy for them (checkpoint_policy_scope('never')).")
-
-
-PEAK_MESSAGE = ("gradpatch: checkpoint policy {policy!r} does not plan blocks inside torch.compile regions: "
-                "they take torch's checkpoint and are all recomputed, and the step's peak is recorded "
-                "and bounded for the eager blocks only. Use a budget:<size> policy for compiled models.")
 
 
 def note(why: str) -> None:
@@ -60,5 +56,18 @@ def _compiled(*_args: object) -> None:
     if _state["warned"] or why is None or not (settings.is_budget(policy) or settings.is_peak(policy)):
         return
     _state["warned"] = True
-    message = PEAK_MESSAGE if settings.is_peak(policy) else MESSAGE
-    warnings.warn(message.format(policy=policy, why=why), ConfigWarning, stacklevel=2)
+    warnings.warn(MESSAGE.format(policy=policy, why=why), ConfigWarning, stacklevel=2)
+
+
+def unrecorded(policy: str) -> None:
+    """A ``peak:<size>`` step begins inside compiled code, where no step can be recorded: warned once."""
+    from gradpatch.errors import ConfigWarning
+
+    if _state["unrecorded"]:
+        return
+    _state["unrecorded"] = True
+    warnings.warn(f"gradpatch: checkpoint policy {policy!r} cannot record a step that begins inside "
+                  "compiled code (a model compiled in place with model.compile(), or checkpointed blocks "
+                  "called outside any module): its checkpointed blocks are recomputed, as under 'respect'. "
+                  "Compile the model with torch.compile(model) instead, or run its first steps eagerly "
+                  "(they make the plan, which is then compiled in)", ConfigWarning, stacklevel=5)

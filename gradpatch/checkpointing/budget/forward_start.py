@@ -12,6 +12,15 @@ this step is not recorded; a call of the root that returns without having run on
 forward) drops it. The hooks are the root's own (torch's global module hooks would make
 ``torch.compile`` warn) and go when the plan is made. A step whose first block is called outside any
 module call begins at that block, as without this.
+
+A root's call starts a recording only where the step is to be recorded (every block measured); one
+not used stays on the stack, passing ops through, until the root's call returns (:func:`release`).
+
+Under ``torch.compile(model)`` the root is the compiled wrapper, whose hooks run before dynamo: the
+recording's dispatch mode is then on the stack, and dynamo runs the frames it meets under a dispatch
+mode eagerly, so the step is recorded whole. A model compiled in place (``model.compile()``) runs its
+hooks inside the compiled code: they do nothing there (:mod:`~gradpatch.checkpointing.budget.peak`
+says what happens then).
 """
 from __future__ import annotations
 
@@ -19,28 +28,71 @@ import sys
 import threading
 import weakref
 from types import FrameType
-from typing import Any
+from typing import Any, Callable
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
 from gradpatch import settings
 from gradpatch.checkpointing.budget import timeline
+from gradpatch.checkpointing.compat import is_compiling
 
-_state: dict[str, Any] = {"planning": False, "root": None, "hooks": (), "early": None, "thread": None}
+_state: dict[str, Any] = {"planning": False, "eager": None, "root": None, "hooks": (), "early": None,
+                          "thread": None, "pushed": None, "wanted": None}
 _CALLS = frozenset({torch.nn.Module._call_impl.__code__, torch.nn.Module.__call__.__code__,
                     getattr(torch.nn.Module, "_wrapped_call_impl", torch.nn.Module.__call__).__code__})
 
 
-def planning(on: bool) -> None:
-    """Whether a plan is being made: from the next step on, each step's recording begins as its root's
-    call does."""
+class EagerSteps(TorchDispatchMode):
+    """Passes every op through. On the dispatch stack it makes dynamo run the frames it meets eagerly:
+    the steps a plan is made in, under torch.compile (:func:`eager_steps`)."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        return func(*args, **(kwargs or {}))
+
+
+def planning(on: bool, wanted: Callable[[], bool] | None = None) -> None:
+    """Whether a ``peak:`` plan is being made: from the next step on, each step's recording begins as
+    its root's call does, in the steps for which ``wanted()`` says the step is to be recorded."""
+    _state["wanted"] = wanted if on else None
     if _state["planning"] is on:
         return
     _state["planning"] = on
     _state["thread"] = threading.get_ident()
     if not on:
-        _unhook()
-        _drop()
+        release(_state["early"])
+        _state["early"] = None
+        if not _eager():
+            _unhook()
+
+
+def eager_steps(unplanned: Callable[[], bool]) -> None:
+    """At a compiled region's graph break while a plan is made: the rest of this step, and each step
+    while ``unplanned()``, runs eagerly (:class:`EagerSteps` on the stack from the root's call to its
+    return). A graph break per block instead would compile the code around each block apart, once per
+    module (a UNet's ``TimestepEmbedSequential.forward`` for every level: past dynamo's recompilation
+    limit, with dynamic shapes)."""
+    _state["eager"], _state["thread"] = unplanned, threading.get_ident()
+    root = _root()
+    if root is None:  # (nothing would take the mode off: graph breaks per block, as before)
+        return
+    _hook(root)
+    if _state["pushed"] is None:
+        _push_eager()
+
+
+def eager_from_root(unplanned: Callable[[], bool]) -> bool:
+    """At trace time while a plan is made: whether the compiled call's root (the outermost module call
+    on the stack, outside the compiled code) runs the next steps eagerly while ``unplanned()``
+    (:class:`EagerSteps` pushed by its hooks, which run before dynamo); then this step's blocks may be
+    traced recomputed, without a graph break. Not for a model compiled in place, whose hooks run in
+    the compiled code."""
+    root = _root()
+    if root is None or getattr(root, "_compiled_call_impl", None) is not None:
+        return False
+    _state["eager"], _state["thread"] = unplanned, threading.get_ident()
+    _hook(root)
+    return True
 
 
 def take(first: bool) -> timeline.Recording | None:
@@ -49,17 +101,35 @@ def take(first: bool) -> timeline.Recording | None:
     block's call hooks the root it runs in."""
     early, _state["early"] = _state["early"], None
     if early is not None and not first:
-        timeline.stop(early)
+        release(early)
         early = None
     if first and _state["planning"]:
         root = _root()
-        hooked = _state["root"]() if _state["root"] is not None else None
-        if root is not None and root is not hooked:
-            _unhook()
-            _state["root"] = weakref.ref(root)
-            _state["hooks"] = (root.register_forward_pre_hook(_pre, prepend=True),
-                               root.register_forward_hook(_post, always_call=True))
+        if root is not None:
+            _hook(root)
     return early
+
+
+def release(early: timeline.Recording | None) -> None:
+    """A recording begun at the forward's start that this step does not use: it stops counting, and
+    stays on the dispatch stack, passing ops through, until the root's call returns (:func:`_post`).
+    Taken off inside the call, it could be inside a compiled function's call, which puts the thread's
+    dispatch keys back as they were when it began: the Python key on, with no mode left to take it."""
+    if early is not None:
+        timeline.stop(early, pop=False)
+
+
+def compiled_in_place(inside_compiled: bool) -> bool:
+    """Whether this step's root runs its hooks inside compiled code (``model.compile()``), or a block
+    runs in compiled code (``inside_compiled``) outside any module: no recording can begin before
+    the step's forward."""
+    root = _root()
+    return getattr(root, "_compiled_call_impl", None) is not None or inside_compiled and root is None
+
+
+def steps_eager() -> bool:
+    """Whether this root call runs eagerly under a mode of ours (:func:`eager_steps`, a recording)."""
+    return _state["pushed"] is not None
 
 
 def _root() -> torch.nn.Module | None:
@@ -75,27 +145,84 @@ def _root() -> torch.nn.Module | None:
     return root
 
 
+def _hook(root: torch.nn.Module) -> None:
+    hooked = _state["root"]() if _state["root"] is not None else None
+    if root is not hooked:
+        _unhook(force=True)
+        _state["root"] = weakref.ref(root)
+        _state["hooks"] = (root.register_forward_pre_hook(_pre, prepend=True),
+                           root.register_forward_hook(_post, always_call=True))
+
+
+def _eager() -> bool:
+    unplanned = _state["eager"]
+    if unplanned is not None and not unplanned():
+        _state["eager"] = unplanned = None
+    return unplanned is not None
+
+
 def _pre(module: torch.nn.Module, args: Any) -> None:
-    if not _state["planning"] or threading.get_ident() != _state["thread"] \
-            or torch._C._current_graph_task_id() != -1 or not settings.is_peak(settings.checkpoint_policy):
-        return  # (a checkpoint's recompute in backward calls modules too; another policy for now)
+    if is_compiling():  # a root compiled in place (``model.compile()``): see the module docstring
+        return
+    if threading.get_ident() != _state["thread"] or torch._C._current_graph_task_id() != -1:
+        return  # (a checkpoint's recompute in backward calls modules too)
     _drop()
-    timeline.unwind()  # an ended recording still on the stack leaves it first
-    _state["early"] = timeline.start({})
+    _unwind()  # an ended recording still on the stack leaves it first (the last step's)
+    wanted = _state["wanted"]
+    if _state["planning"] and settings.is_peak(settings.checkpoint_policy) and (wanted is None or wanted()):
+        _state["early"] = _state["pushed"] = timeline.start({})
+    elif _eager():
+        _push_eager()
 
 
 def _post(module: torch.nn.Module, args: Any, out: Any) -> None:
+    if is_compiling():
+        return
     if threading.get_ident() == _state["thread"]:
         _drop()  # (not taken: no checkpointed block ran in this call)
+        pushed, _state["pushed"] = _state["pushed"], None
+        if pushed is not None and (isinstance(pushed, EagerSteps) or pushed.ended):  # off the stack now
+            _pop(pushed)
+        if not _state["planning"] and not _eager():  # (the plan was made in this call: the hooks go now)
+            _unhook()
+
+
+def _push_eager() -> None:
+    mode = EagerSteps()
+    mode.__enter__()
+    _state["pushed"] = mode
+
+
+def _pop(mode: Any) -> None:
+    current: Any = _get_current_dispatch_mode()
+    if isinstance(mode, timeline.Recording):
+        timeline.stop(mode)
+    elif current is mode:
+        current.__exit__(None, None, None)
+
+
+def _unwind() -> None:
+    """Take ended recordings and eager steps' modes off the top of this thread's dispatch stack."""
+    timeline.unwind()
+    mode: Any = _get_current_dispatch_mode()
+    while isinstance(mode, EagerSteps) and mode is not _state["pushed"]:
+        mode.__exit__(None, None, None)
+        timeline.unwind()
+        mode = _get_current_dispatch_mode()
 
 
 def _drop() -> None:
     early, _state["early"] = _state["early"], None
-    if early is not None:
-        timeline.stop(early)
+    release(early)
 
 
-def _unhook() -> None:
+def _unhook(force: bool = False) -> None:
+    """Remove the root's hooks; the forward hook stays until the root's call under way returns, where
+    a mode it pushed is still on the stack (unless ``force``)."""
+    if _state["pushed"] is not None and len(_state["hooks"]) == 2 and not force:
+        _state["hooks"][0].remove()
+        _state["hooks"] = _state["hooks"][1:]
+        return
     for handle in _state["hooks"]:
         handle.remove()
     _state["hooks"], _state["root"] = (), None

@@ -15,11 +15,9 @@ chooses per block:
 * **keep**: run directly, as under ``never`` (up to the input sizes measured);
 * **recompute**: the fixed checkpoint, as under ``respect``.
 
-Keeping only a block's matmul, convolution and attention outputs (torch's checkpoint with
-:func:`torch.utils.checkpoint.create_selective_checkpoint_contexts`) is not among the choices: on CPU
-its selective policy, one Python call per operator in the forward and again in the recompute, made
-the medium UNet's step slower than recomputing every block (1.70-1.79x ``never`` against 1.35x,
-``benchmarks/peak_plan.py``), and its cost cannot be priced without running it.
+Keeping only a block's matmul, convolution and attention outputs (torch's selective checkpoint) is not
+among the choices: on CPU its policy, a Python call per operator, made the medium UNet's step slower
+than recomputing every block (1.70-1.79x ``never`` against 1.35x, ``benchmarks/peak_plan.py``).
 
 A kept block's activations are alive from its forward to its backward, where a recomputed block holds
 the same activations again: keeping the last blocks of the forward costs little or no peak, keeping
@@ -30,6 +28,10 @@ kept. When even recomputing every block peaks above ``<size>``, the next checkpo
 :class:`PeakUnreachable` saying the smallest peak reachable. New blocks (new shapes) are measured and
 the step recorded again. Offloading to the CPU is not among the choices: use
 ``torch.autograd.graph.save_on_cpu`` around the step, which the fixed checkpoint composes with.
+
+Under torch.compile the steps the plan is made in run eagerly, then the plan is compiled in
+(:mod:`~gradpatch.checkpointing.budget.traced`); a model compiled in place (``model.compile()``) has no
+step recorded: every block recomputed, with one warning.
 """
 from __future__ import annotations
 
@@ -44,11 +46,10 @@ from gradpatch.checkpointing import paths
 from gradpatch.checkpointing.budget import compiled, forward_start, knapsack, measure, resizes, timeline
 from gradpatch.checkpointing.budget.key import signature, size_of, state
 from gradpatch.checkpointing.budget.peak_choice import KEEP, RECOMPUTE, Occurrence, Option, PeakUnreachable, \
-    choose, predict
+    choose, predict, unreachable_message
 from gradpatch.checkpointing.budget.planner import PLANNER, TIMING_CALLS, Block, items_of
-from gradpatch.checkpointing.compat import is_compiling
 
-__all__ = ["PeakUnreachable", "TIMING_CALLS", "run", "PEAK"]
+__all__ = ["KEEP", "PeakUnreachable", "TIMING_CALLS", "UNRECORDED", "run", "solved", "PEAK"]
 
 
 class PeakPlan:
@@ -74,6 +75,7 @@ class PeakPlan:
         self.options: weakref.WeakKeyDictionary[Block, list[Option]] = weakref.WeakKeyDictionary()
         self.plans: dict[int, tuple] = {}  # size -> the plan's state (_STATE), for sizes that alternate
         self.dropped = False  # a recording with an abandoned forward was dropped (see settle)
+        self.unrecorded = False  # a step began inside compiled code: none can be recorded (_cannot_record)
 
     def solve(self, size: int, again: bool = False) -> None:
         """Choose the kept blocks for ``size`` (the plan made for it before, unless ``again``)."""
@@ -165,13 +167,12 @@ def headroom(size: int) -> int:
 PEAK = PeakPlan()
 
 
-def run(func: Callable[..., Any], args: tuple, kwargs: dict | None, policy: str) -> Any:
-    """``checkpoint``'s work under ``policy = "peak:<size>"``, called with ``flag=True`` in grad mode."""
+def run(func: Callable[..., Any], args: tuple, kwargs: dict | None, policy: str,
+        inside_compiled: bool = False) -> Any:
+    """``checkpoint``'s work under ``policy = "peak:<size>"``, called with ``flag=True`` in grad mode
+    (``inside_compiled``: by a compiled region's graph break, :mod:`~gradpatch.checkpointing.budget.traced`)."""
     owner = getattr(func, "__self__", None)
     function = getattr(func, "__func__", None)
-    if is_compiling():
-        _unplanned_in_compiled_region()
-        return paths.run(func, args, kwargs)
     if not isinstance(owner, torch.nn.Module) or function is None:
         return paths.run(func, args, kwargs)
     block = PLANNER.block(owner, (function, state(owner), signature(args, kwargs)))
@@ -180,53 +181,62 @@ def run(func: Callable[..., Any], args: tuple, kwargs: dict | None, policy: str)
     with PEAK.lock:
         # Until the plan's step is recorded: storages resized in place (FSDP's parameters) are watched, and
         # a recording begins at the step's forward's start (taken by its first block, or dropped).
-        planning = PEAK.recorded is None or PEAK.realised is None or PEAK.epoch != PLANNER.epoch
+        planning = (PEAK.recorded is None or PEAK.realised is None or PEAK.epoch != PLANNER.epoch) \
+            and not PEAK.unrecorded
         resizes.planning(planning)
-        forward_start.planning(planning)
+        forward_start.planning(planning, _measured)
         # (the blocks sorted: once a call while planning, never once planned; every use below is planning's)
         first = planning and block is _first()
         early = forward_start.take(first) if planning else None
         recording = PEAK.recording
         if recording is not None:
             if not recording.ended and not (recording.backward and first):
-                if early is not None:  # (a recording is under way: this step's own forward began in it)
-                    timeline.stop(early)
+                # (a recording is under way: this step's own forward began in it)
+                forward_start.release(early)
                 return timeline.run(recording, block, _runner(recording.choices.get(block, RECOMPUTE), block),
                                     func, args, kwargs)
             settle()  # ended, or a new step began before the backward ended
         if not block.measured:
-            _drop(early)
+            forward_start.release(early)
             return measure.measure(block, func, args, kwargs)
         if PEAK.epoch != PLANNER.epoch:  # new blocks since the recording: measure and record again
             PEAK.reset()
             PEAK.epoch = PLANNER.epoch
+        recordable = first and _recordable(policy, early, inside_compiled)
         if PEAK.recorded is None:
-            if first and all(b.measured for _, b in PLANNER.live()):
+            if recordable and all(b.measured for _, b in PLANNER.live()):
                 PEAK.recording = timeline.start({}, _values(args, kwargs), [b for _, b in PLANNER.live()], early)
                 return timeline.run(PEAK.recording, block, paths.run, func, args, kwargs)
-            _drop(early)
+            forward_start.release(early)
             return paths.run(func, args, kwargs)
         size = settings.peak_bytes(policy)
         if PEAK.solved_for != size:
             PEAK.solve(size)
         if PEAK.unreachable is not None:
-            _drop(early)
-            raise PeakUnreachable(_unreachable(policy, size, PEAK.floor or 0))
+            forward_start.release(early)
+            raise PeakUnreachable(unreachable_message(policy, size, PEAK.floor or 0))
         choice = PEAK.choices.get(block, RECOMPUTE)
-        if PEAK.realised is None and first:
+        if PEAK.realised is None and recordable:
             # The plan's first step is recorded too: its peak measured, not only predicted.
             PEAK.recording = timeline.start(dict(PEAK.choices), _values(args, kwargs),
                                             [b for _, b in PLANNER.live()], early)
             return timeline.run(PEAK.recording, block, _runner(choice, block), func, args, kwargs)
-        _drop(early)
+        forward_start.release(early)
     return _runner(choice, block)(func, args, kwargs)
 
 
-@torch._dynamo.assume_constant_result
-def _unplanned_in_compiled_region() -> bool:
-    """At trace time: note the block for the warning at the compilation's end."""
-    compiled.note("compiled regions are not planned under peak:<size>")
-    return True
+def solved(policy: str) -> weakref.WeakKeyDictionary[Block, str] | None:
+    """The blocks' choices once the plan for ``policy``'s size is made and its step recorded (what
+    compiled code is traced with: :mod:`gradpatch.checkpointing.budget.traced`); :data:`UNRECORDED`
+    where compiled code cannot record a step; None until then."""
+    if PEAK.recorded is None or PEAK.realised is None or PEAK.epoch != PLANNER.epoch \
+            or PEAK.solved_for != settings.peak_bytes(policy) or PEAK.unreachable is not None:
+        return UNRECORDED if PEAK.unrecorded else None
+    return PEAK.choices
+
+
+#: The plan where no step can be recorded: every block recomputed.
+UNRECORDED: weakref.WeakKeyDictionary[Block, str] = weakref.WeakKeyDictionary()
 
 
 def settle() -> None:
@@ -263,9 +273,21 @@ def _runner(choice: str, block: Block) -> Callable[[Callable[..., Any], tuple, d
     return paths.run
 
 
-def _drop(early: timeline.Recording | None) -> None:
-    if early is not None:
-        timeline.stop(early)
+def _measured() -> bool:
+    """Whether every block is measured: the next step is recorded, from its forward's start."""
+    return all(b.measured for _, b in PLANNER.live())
+
+
+def _recordable(policy: str, early: timeline.Recording | None, inside_compiled: bool) -> bool:
+    """Whether the step can be recorded from this, its first block's call. Not from inside compiled
+    code (a recording's dispatch mode begun there would be left with the Python key off): recorded from
+    the next step's start, where the root runs outside, else never (every block recomputed)."""
+    if forward_start.compiled_in_place(inside_compiled):
+        PEAK.unrecorded = True  # compiled anew with every block recomputed (traced.solved)
+        forward_start.planning(False)
+        compiled.unrecorded(policy)
+        return False
+    return early is not None or not inside_compiled
 
 
 def _first() -> Block | None:
@@ -275,11 +297,3 @@ def _first() -> Block | None:
 
 def _values(args: tuple, kwargs: dict | None) -> tuple:
     return args if not kwargs else (*args, *kwargs.values())
-
-
-def _unreachable(policy: str, size: int, floor: int) -> str:
-    need = -(-floor * 101 // 100 // 2**20)
-    return (f"checkpoint policy {policy!r}: no plan keeps this step's peak within {size / 2**20:.2f} MiB; "
-            f"the smallest peak reachable is {floor / 2**20:.2f} MiB, with every checkpointed block "
-            f"recomputed (measured from the forward's start to the end of the backward). "
-            f"Use peak:{need}MiB or more, a smaller batch, or checkpoint more of the model")

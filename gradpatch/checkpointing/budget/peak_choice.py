@@ -46,6 +46,15 @@ class PeakUnreachable(ValueError):
     """No choice keeps the step's peak within the size: even recomputing every block peaks higher."""
 
 
+def unreachable_message(policy: str, size: int, floor: int) -> str:
+    """What :class:`PeakUnreachable` says for a training step."""
+    need = -(-floor * 101 // 100 // 2**20)
+    return (f"checkpoint policy {policy!r}: no plan keeps this step's peak within {size / 2**20:.2f} MiB; "
+            f"the smallest peak reachable is {floor / 2**20:.2f} MiB, with every checkpointed block "
+            f"recomputed (measured from the forward's start to the end of the backward). "
+            f"Use peak:{need}MiB or more, a smaller batch, or checkpoint more of the model")
+
+
 def predict(levels: Sequence[int], occurrences: Sequence[Occurrence], added: Sequence[int]) -> int:
     """The step's peak when block ``i`` adds ``added[i]`` bytes over each of its occurrences."""
     totals = list(levels)

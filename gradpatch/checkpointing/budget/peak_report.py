@@ -36,6 +36,9 @@ def report(model: torch.nn.Module | None, policy: str) -> Plan:
                                      block.why if block.opaque else None, choice))
         plan = Plan(entries)
         plan.policy, plan.budget = policy, settings.peak_bytes(policy)
+        if PEAK.unrecorded:
+            plan.unrecorded = ("no step can be recorded (it begins inside compiled code: a model compiled in "
+                               "place, model.compile(); compile it with torch.compile(model))")
         if planned:
             plan.smallest_peak, plan.largest_peak = PEAK.floor, PEAK.ceiling
             # Once the plan's first step is recorded, its peak is the prediction for the next steps.

@@ -22,12 +22,20 @@ compiled.watch()  # blocks a compiled region cannot plan: warn once
 def run(func: Callable[..., Any], args: tuple, kwargs: dict | None, policy: str) -> Any:
     """``checkpoint``'s work under ``policy = "budget:<size>"``, called with ``flag=True`` in grad
     mode: ``func`` runs directly if the plan keeps it, checkpointed (and measured) otherwise.
-    ``"peak:<size>"`` goes to :func:`gradpatch.checkpointing.budget.peak.run` (compiled regions are
-    not planned there: recomputed)."""
-    if policy[0] == "p":
-        return peak.run(func, args, kwargs, policy)
+    ``"peak:<size>"`` goes to :func:`gradpatch.checkpointing.budget.peak.run`. In a compiled region,
+    either plan is baked into the graph (:mod:`~gradpatch.checkpointing.budget.traced`)."""
     if is_compiling():  # the plan baked into the compiled graph (measured eagerly: this function)
         return traced.run(func, args, kwargs, policy, run)
+    if forward_start.steps_eager():  # a compiled model's step run eagerly: blocks timed without dynamo
+        return _without_dynamo(func, args, kwargs, policy)
+    return _run(func, args, kwargs, policy)
+
+
+def _run(func: Callable[..., Any], args: tuple, kwargs: dict | None, policy: str) -> Any:
+    if policy[0] == "p":
+        out = peak.run(func, args, kwargs, policy, traced.inside())
+        traced.check(policy, out)  # a plan made since code was compiled: compiled anew
+        return out
     owner = getattr(func, "__self__", None)
     function = getattr(func, "__func__", None)
     if not isinstance(owner, torch.nn.Module) or function is None:
@@ -50,6 +58,11 @@ def run(func: Callable[..., Any], args: tuple, kwargs: dict | None, policy: str)
     if block.measured:
         return paths.run(func, args, kwargs)
     return measure.measure(block, func, args, kwargs)
+
+
+#: :func:`_run` with dynamo's frame callback off: under a mode that makes dynamo skip each frame, the
+#: callback still runs for every Python frame, which would count in the blocks' measured seconds.
+_without_dynamo = torch._dynamo.disable(_run)
 
 
 def checkpoint_plan(model: torch.nn.Module | None = None) -> Plan:

@@ -35,6 +35,8 @@ class Plan(tuple):  # type: ignore[type-arg]
     predicted_peak: int | None = None
     smallest_peak: int | None = None
     largest_peak: int | None = None
+    #: Under ``peak:<size>``, why no step can be recorded (every block recomputed); otherwise None.
+    unrecorded: str | None = None
 
     @property
     def kept_bytes(self) -> int:
@@ -65,6 +67,8 @@ class Plan(tuple):  # type: ignore[type-arg]
                 f"{self._unplanned()}")
 
     def _peak_summary(self, head: str) -> str:
+        if self.unrecorded:
+            return f"{head}: {self.unrecorded}; every block is recomputed"
         if self.smallest_peak is None:
             return (f"{head}: measuring ({sum(e.measured for e in self)} of {len(self)} blocks measured, "
                     f"then one step recorded); every block is recomputed meanwhile")

@@ -235,12 +235,13 @@ def finish(recording: Recording) -> None:
     recording.ended = True
 
 
-def stop(recording: Recording) -> None:
+def stop(recording: Recording, pop: bool = True) -> None:
     """Take the mode off this thread's stack if it is on top there, called from the thread that
-    recorded (the next block call, :func:`gradpatch.checkpoint_plan`); it stops counting anyway."""
+    recorded (the next block call, :func:`gradpatch.checkpoint_plan`); it stops counting anyway
+    (``pop=False``: only that, the mode left on the stack to pass ops through)."""
     recording.ended = True
     resizes.leave(recording)
-    if not recording.active or threading.get_ident() != recording.thread:
+    if not pop or not recording.active or threading.get_ident() != recording.thread:
         return
     from torch.utils._python_dispatch import _get_current_dispatch_mode
 
