@@ -21,7 +21,9 @@ profiler's allocation events matched by address (``memory_truth.allocator``; gra
 independent measure of the compiled code (the plan's recorder sees eager steps only). Gradients of the
 compiled plan against eager ``never`` (relative to the largest).
 
-Measured: see ``docs/memory.md`` (torch.compile).
+Measured: ``docs/how-to/memory.md`` (Under torch.compile) and ``docs/benchmarks.md``: with
+``aot_eager_decomp_partition`` the compiled step peaks 0.89-0.95x the eager prediction; with inductor
+1.42x (every block recomputed compiled peaks 1.6x its eager peak there).
 """
 from __future__ import annotations
 

@@ -85,10 +85,11 @@ def test_peak_plans_a_compiled_model_with_exact_gradients():
     checkpoint per recomputed block), no recompilation after. The size lies between every block
     recomputed (about 0.12 MiB) and every block kept (0.15 MiB): some blocks are kept, not all (before,
     every block in a compiled region was recomputed, with a warning). Nothing of the plan's is left on
-    the model or on the dispatch stack."""
+    the model or on the dispatch stack. One warning says the compiled step's peak is not measured."""
     result = _toy("peak:140KiB", in_place=False)
     assert result["err"] <= 1e-12 * result["scale"], result
-    assert result["warnings"] == []
+    (message,) = result["warnings"]  # the compiled step's peak is not measured: said once
+    assert "compiled into this model as planned on eager steps" in message, message
     recomputed = result["plan"]
     assert len(recomputed) == 4 and 0 < sum(recomputed) < 4, result["summary"]
     assert result["predicted"] <= 140 * 1024
@@ -204,12 +205,14 @@ def test_compiled_audioldm_unet_is_planned_with_exact_gradients(kind):
     within the size. The UNet's ``TimestepEmbedSequential.forward`` is one code object for every
     level: a graph break per block while measuring compiled it apart for each, past dynamo's
     recompilation limit with dynamic shapes, and blocks went unplanned with a warning (before, under
-    ``budget:``, 1 block of 12 planned)."""
+    ``budget:``, 1 block of 12 planned). Under ``peak:``, one warning that the compiled step's peak is
+    not measured (under inductor it can be above the eager prediction: ``benchmarks/peak_compile.py``)."""
     pytest.importorskip("audioldm")  # (the newest-torch environment leaves it out: skipped there)
     result = last_json(run_python(UNET.replace("POLICY_KIND", json.dumps(kind)), timeout=900,
                                   env={"GRADPATCH": "1", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}))
     assert result["err"] <= 1e-5 * result["scale"], result
-    assert result["warnings"] == [], result["warnings"]
+    unmeasured = ["compiled into this model as planned on eager steps" in w for w in result["warnings"]]
+    assert unmeasured == ([True] if kind == "peak" else []), result["warnings"]
     recomputed = result["plan"]
     assert len(recomputed) == 12 and 0 < sum(recomputed) < 12, result["summary"]
     assert result["graphs"][-1] == sum(recomputed) and result["after"] == 0, result["graphs"]

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import warnings
 
-_state: dict = {"registered": False, "warned": False, "why": None, "unrecorded": False}
+_state: dict = {"registered": False, "warned": False, "why": None, "unrecorded": False,
+               "peak": None, "peak_warned": False}
 
 MESSAGE = ("gradpatch: checkpoint policy {policy!r} is not applied inside torch.compile regions where "
            "it cannot measure or bound a block ({why}): such checkpointed blocks take torch's checkpoint "
@@ -30,6 +31,19 @@ def note(why: str) -> None:
     """A block in the region being compiled is not planned, for ``why``: warned at its end."""
     if _state["why"] is None:
         _state["why"] = why
+
+
+#: Under ``peak:``, once a plan is compiled in (measured on eager steps, the compiled step is not).
+PEAK_MESSAGE = ("gradpatch: checkpoint policy {policy!r} is compiled into this model as planned on eager "
+                "steps: the compiled step's peak is not measured, and the compiler may allocate otherwise "
+                "(under inductor on CPU, the tiny AudioLDM UNet with every block recomputed peaked at 1.6x "
+                "its eager peak). Check the compiled step's peak (torch.cuda.max_memory_allocated() on a "
+                "GPU); for a measured bound, train the model without torch.compile.")
+
+
+def compiled_peak(policy: str) -> None:
+    """A ``peak:`` plan is traced into the region being compiled: warned at its end, once."""
+    _state["peak"] = policy
 
 
 def watch() -> None:
@@ -52,6 +66,10 @@ def _compiled(*_args: object) -> None:
     from gradpatch.errors import ConfigWarning
 
     why, _state["why"] = _state["why"], None
+    planned, _state["peak"] = _state["peak"], None
+    if planned is not None and not _state["peak_warned"]:
+        _state["peak_warned"] = True
+        warnings.warn(PEAK_MESSAGE.format(policy=planned), ConfigWarning, stacklevel=2)
     policy = settings.checkpoint_policy
     if _state["warned"] or why is None or not (settings.is_budget(policy) or settings.is_peak(policy)):
         return

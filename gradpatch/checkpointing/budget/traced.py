@@ -32,8 +32,11 @@ silently: the outer op decides. Functions other than module methods are recomput
 
 Estimates: the plan's figures are eager measurements. In the compiled graph a kept block keeps what
 the compiler's partitioner saves for it (often less: it recomputes cheap pointwise work itself) and
-runs faster; ``benchmarks/checkpoint_compile.py`` measures the realised peak, and under ``peak:`` the
-compiled step's peak against the eager prediction. The plan is checked
+runs faster; ``benchmarks/checkpoint_compile.py`` measures the realised peak. Under ``peak:`` the
+compiled step's peak is not measured (compiled code does not go through the recording's dispatch
+mode) and can lie above the eager prediction (inductor: ``benchmarks/peak_compile.py``): one
+:class:`gradpatch.errors.ConfigWarning` says so when the plan is compiled in
+(:func:`gradpatch.checkpointing.budget.compiled.compiled_peak`). The plan is checked
 whenever a block runs eagerly; one changed only by blocks that run eagerly elsewhere (a model partly
 compiled) reaches compiled code at the next solve.
 """
@@ -117,6 +120,8 @@ def _phase(policy: str) -> str:
     if _symbolic():
         compiled.note("dynamic shapes in the compiled region (the bytes a block keeps have no bound)")
         return RECOMPUTE
+    if settings.is_peak(policy) and solved(policy) is not peak.UNRECORDED:
+        compiled.compiled_peak(policy)
     return KEEP
 
 
