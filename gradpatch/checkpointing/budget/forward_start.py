@@ -1,4 +1,6 @@
-"""Where a recorded ``peak:<size>`` step begins: its forward's start (:mod:`gradpatch.checkpointing.budget.peak`).
+"""The step's root module call: where a recorded ``peak:<size>`` step begins (its forward's start,
+:mod:`gradpatch.checkpointing.budget.peak`), and, under torch.compile, where the steps a plan is made in
+begin to run eagerly.
 
 A step's peak counts from what was allocated when its forward began, but ``peak:`` learns that a step
 began at its first checkpointed block's call, after the layers before it ran: their activations, and
@@ -21,6 +23,11 @@ recording's dispatch mode is then on the stack, and dynamo runs the frames it me
 mode eagerly, so the step is recorded whole. A model compiled in place (``model.compile()``) runs its
 hooks inside the compiled code: they do nothing there (:mod:`~gradpatch.checkpointing.budget.peak`
 says what happens then).
+
+Under either policy, while a compiled model's plan is made (:func:`eager_from_root` at trace time,
+:func:`eager_steps` at a graph break), the root's pre-hook pushes :class:`EagerSteps` where it pushes
+no recording, a mode passing every op through, so that the step runs eagerly to be measured; its
+forward hook takes it off.
 """
 from __future__ import annotations
 
