@@ -44,8 +44,11 @@ from gradpatch import settings
 from gradpatch.checkpointing.budget import timeline
 from gradpatch.checkpointing.compat import is_compiling
 
-_state: dict[str, Any] = {"planning": False, "eager": None, "root": None, "hooks": (), "early": None,
-                          "thread": None, "pushed": None, "wanted": None}
+_state: dict[str, Any] = {"planning": False, "eager": None, "early": None, "thread": None, "pushed": None,
+                          "wanted": None, "nested": 0}
+#: The hooked roots, several where models take turns (a GAN's two): id -> (weak reference, the pre-hook's
+#: handle or None once removed, the forward hook's handle).
+_ROOTS: dict[int, tuple[Any, Any, Any]] = {}
 _CALLS = frozenset({torch.nn.Module._call_impl.__code__, torch.nn.Module.__call__.__code__,
                     getattr(torch.nn.Module, "_wrapped_call_impl", torch.nn.Module.__call__).__code__})
 
@@ -153,12 +156,13 @@ def _root() -> torch.nn.Module | None:
 
 
 def _hook(root: torch.nn.Module) -> None:
-    hooked = _state["root"]() if _state["root"] is not None else None
-    if root is not hooked:
-        _unhook(force=True)
-        _state["root"] = weakref.ref(root)
-        _state["hooks"] = (root.register_forward_pre_hook(_pre, prepend=True),
-                           root.register_forward_hook(_post, always_call=True))
+    entry = _ROOTS.get(id(root))
+    if entry is not None and entry[0]() is root and entry[1] is not None:
+        return
+    if entry is not None:  # (another module at a dead one's id, or the pre-hook already removed)
+        _remove(id(root))
+    _ROOTS[id(root)] = (weakref.ref(root), root.register_forward_pre_hook(_pre, prepend=True),
+                        root.register_forward_hook(_post, always_call=True))
 
 
 def _eager() -> bool:
@@ -173,6 +177,9 @@ def _pre(module: torch.nn.Module, args: Any) -> None:
         return
     if threading.get_ident() != _state["thread"] or torch._C._current_graph_task_id() != -1:
         return  # (a checkpoint's recompute in backward calls modules too)
+    if _state["pushed"] is not None:  # inside another root's call, whose mode covers this one
+        _state["nested"] += 1
+        return
     _drop()
     _unwind()  # an ended recording still on the stack leaves it first (the last step's)
     wanted = _state["wanted"]
@@ -185,7 +192,10 @@ def _pre(module: torch.nn.Module, args: Any) -> None:
 def _post(module: torch.nn.Module, args: Any, out: Any) -> None:
     if is_compiling():
         return
-    if threading.get_ident() == _state["thread"]:
+    if threading.get_ident() == _state["thread"] and torch._C._current_graph_task_id() == -1:
+        if _state["nested"]:
+            _state["nested"] -= 1
+            return
         _drop()  # (not taken: no checkpointed block ran in this call)
         pushed, _state["pushed"] = _state["pushed"], None
         if pushed is not None and (isinstance(pushed, EagerSteps) or pushed.ended):  # off the stack now
@@ -223,13 +233,21 @@ def _drop() -> None:
     release(early)
 
 
-def _unhook(force: bool = False) -> None:
-    """Remove the root's hooks; the forward hook stays until the root's call under way returns, where
-    a mode it pushed is still on the stack (unless ``force``)."""
-    if _state["pushed"] is not None and len(_state["hooks"]) == 2 and not force:
-        _state["hooks"][0].remove()
-        _state["hooks"] = _state["hooks"][1:]
-        return
-    for handle in _state["hooks"]:
-        handle.remove()
-    _state["hooks"], _state["root"] = (), None
+def _unhook() -> None:
+    """Remove the roots' hooks; a forward hook stays until the root's call under way returns, while a
+    mode pushed in that call is still on the stack (it removes itself then)."""
+    for key, (ref, pre, post) in list(_ROOTS.items()):
+        if pre is not None:
+            pre.remove()
+        if _state["pushed"] is None:
+            post.remove()
+            del _ROOTS[key]
+        else:
+            _ROOTS[key] = (ref, None, post)
+
+
+def _remove(key: int) -> None:
+    _, pre, post = _ROOTS.pop(key)
+    if pre is not None:
+        pre.remove()
+    post.remove()
