@@ -38,7 +38,8 @@ from types import FrameType
 from typing import Any, Callable
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode, \
+    _get_current_dispatch_mode_stack
 
 from gradpatch import settings
 from gradpatch.checkpointing.budget import timeline
@@ -49,6 +50,11 @@ _state: dict[str, Any] = {"planning": False, "eager": None, "early": None, "thre
 #: The hooked roots, several where models take turns (a GAN's two): id -> (weak reference, the pre-hook's
 #: handle or None once removed, the forward hook's handle).
 _ROOTS: dict[int, tuple[Any, Any, Any]] = {}
+_callback: Any
+try:
+    from torch._C._dynamo.eval_frame import get_eval_frame_callback as _callback
+except ImportError:  # (older torch)
+    _callback = None
 _CALLS = frozenset({torch.nn.Module._call_impl.__code__, torch.nn.Module.__call__.__code__,
                     getattr(torch.nn.Module, "_wrapped_call_impl", torch.nn.Module.__call__).__code__})
 
@@ -84,8 +90,8 @@ def eager_steps(unplanned: Callable[[], bool]) -> None:
     limit, with dynamic shapes)."""
     _state["eager"], _state["thread"] = unplanned, threading.get_ident()
     root = _root()
-    if root is None:  # (nothing would take the mode off: graph breaks per block, as before)
-        return
+    if root is None or getattr(root, "_compiled_call_impl", None) is not None:
+        return  # (no hook outside the compiled call would take the mode off: graph breaks per block)
     _hook(root)
     if _state["pushed"] is None:
         _push_eager()
@@ -137,6 +143,13 @@ def compiled_in_place(inside_compiled: bool) -> bool:
     return getattr(root, "_compiled_call_impl", None) is not None or inside_compiled and root is None
 
 
+def inside_compiled_call() -> bool:
+    """Whether a compiled function's call is under way on this thread (dynamo's frame callback is set),
+    where a dispatch mode pushed before it must not be taken off: the call puts the thread's dispatch
+    keys back as they were when it began. (torch < 2.5 does not say: False.)"""
+    return bool(_callback is not None and _callback())
+
+
 def steps_eager() -> bool:
     """Whether this root call runs eagerly under a mode of ours (:func:`eager_steps`, a recording)."""
     return _state["pushed"] is not None
@@ -173,7 +186,7 @@ def _eager() -> bool:
 
 
 def _pre(module: torch.nn.Module, args: Any) -> None:
-    if is_compiling():  # a root compiled in place (``model.compile()``): see the module docstring
+    if is_compiling() or inside_compiled_call():  # a root inside compiled code: see the module docstring
         return
     if threading.get_ident() != _state["thread"] or torch._C._current_graph_task_id() != -1:
         return  # (a checkpoint's recompute in backward calls modules too)
@@ -182,6 +195,9 @@ def _pre(module: torch.nn.Module, args: Any) -> None:
         return
     _drop()
     _unwind()  # an ended recording still on the stack leaves it first (the last step's)
+    if not _state["planning"] and not _eager():  # (hooks kept for this: planned, the hooks go)
+        _unhook()
+        return
     wanted = _state["wanted"]
     if _state["planning"] and settings.is_peak(settings.checkpoint_policy) and (wanted is None or wanted()):
         _state["early"] = _state["pushed"] = timeline.start({})
@@ -190,7 +206,7 @@ def _pre(module: torch.nn.Module, args: Any) -> None:
 
 
 def _post(module: torch.nn.Module, args: Any, out: Any) -> None:
-    if is_compiling():
+    if is_compiling() or inside_compiled_call():
         return
     if threading.get_ident() == _state["thread"] and torch._C._current_graph_task_id() == -1:
         if _state["nested"]:
@@ -235,7 +251,12 @@ def _drop() -> None:
 
 def _unhook() -> None:
     """Remove the roots' hooks; a forward hook stays until the root's call under way returns, while a
-    mode pushed in that call is still on the stack (it removes itself then)."""
+    mode pushed in that call is still on the stack (it removes itself then). While a mode of ours is
+    on the stack otherwise (left where it could not be taken off), the hooks stay for the next root
+    call to take it off."""
+    if any(isinstance(m, (timeline.Recording, EagerSteps)) and m is not _state["pushed"]
+           for m in _get_current_dispatch_mode_stack()):
+        return
     for key, (ref, pre, post) in list(_ROOTS.items()):
         if pre is not None:
             pre.remove()

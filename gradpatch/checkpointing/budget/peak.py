@@ -245,7 +245,7 @@ def settle() -> None:
     if recording is None:
         return
     complete = recording.ended
-    timeline.stop(recording)
+    timeline.stop(recording, pop=not forward_start.inside_compiled_call())  # (else its root's next call)
     PEAK.recording = None
     if complete and PEAK.epoch == PLANNER.epoch:
         # A forward dropped without backward before the step's own (a validation forward with grad on, one
