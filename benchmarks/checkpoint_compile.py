@@ -54,6 +54,7 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+import random
 import statistics
 import sys
 import time
@@ -132,10 +133,40 @@ def step_peak(model: torch.nn.Module, batch: tuple, variant: str) -> tuple[int, 
         return truth.allocator(lambda marks: truth.step(model, batch, marks))
 
 
+def matching_budget(model: torch.nn.Module, batch: tuple, goal: int, tries: int) -> tuple:
+    """The ``activation_memory_budget`` whose compiled step peaks closest to ``goal`` bytes, by bisection
+    (``tries`` compilations): (budget, compiled model, step peak, seconds to compile, bytes after the
+    forward)."""
+    low, high, tried = 0.0, 1.0, []
+    for _ in range(tries):
+        amb = round((low + high) / 2, 4)
+        compiled_model, took = compile_variant(model, batch, "no-ckpt", amb)
+        peak, kept = step_peak(compiled_model, batch, "no-ckpt")
+        print(f"activation_memory_budget={amb}: compiled in {took:.0f} s, step peak {peak / 2**20:.2f} MiB, "
+              f"{kept / 2**20:.2f} MiB after the forward", flush=True)
+        tried.append((abs(peak - goal), amb, compiled_model, peak, took, kept))
+        low, high = (amb, high) if peak < goal else (low, amb)
+    return min(tried, key=lambda t: t[0])[1:]
+
+
+def interleaved(runs: dict[str, tuple[torch.nn.Module, str]], batch: tuple, rounds: int) -> dict[str, list[float]]:
+    """Step times of each ``name -> (model, variant)``, all interleaved in a fresh random order every
+    round, after one warm-up round."""
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    order, rng = list(runs), random.Random(0)
+    for r in range(rounds + 1):
+        rng.shuffle(order)
+        for name in order:
+            model, variant = runs[name]
+            with speed.use(variant):
+                elapsed = speed.step(model, batch)
+            if r:
+                times[name].append(elapsed)
+    return times
+
+
 def gradpatch_compiled(args: argparse.Namespace) -> int:
     """``--gradpatch-compiled``: see the module's docstring."""
-    import random
-
     from gradpatch.checkpointing import budget as planned
 
     torch.set_num_threads(1)
@@ -174,29 +205,10 @@ def gradpatch_compiled(args: argparse.Namespace) -> int:
     error = max((a.grad - b.grad).abs().max().item()
                 for a, b in zip(model.parameters(), runs[ours][0].model.parameters()))
     print(f"gradients, compiled plan vs eager never: max difference {error / scale:.1e} of the largest")
-    goal, low, high, tried = peaks[ours], 0.0, 1.0, []
-    for _ in range(args.tries):  # activation_memory_budget whose realised peak is closest to ours
-        amb = round((low + high) / 2, 4)
-        compiled_model, took = compile_variant(model, batch, "no-ckpt", amb)
-        peak, kept = step_peak(compiled_model, batch, "no-ckpt")
-        print(f"activation_memory_budget={amb}: compiled in {took:.0f} s, step peak {peak / 2**20:.2f} MiB, "
-              f"{kept / 2**20:.2f} MiB after the forward", flush=True)
-        tried.append((abs(peak - goal), amb, compiled_model, peak, took, kept))
-        low, high = (amb, high) if peak < goal else (low, amb)
-    _, amb, compiled_model, peak, took, kept = min(tried, key=lambda t: t[0])
+    amb, compiled_model, peak, took, kept = matching_budget(model, batch, peaks[ours], args.tries)
     match = f"torch amb {amb}, compiled"
     runs[match], peaks[match], seconds[match], after[match] = (compiled_model, "no-ckpt"), peak, took, kept
-
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    order, rng = list(runs), random.Random(0)
-    for r in range(args.rounds + 1):
-        rng.shuffle(order)
-        for name in order:
-            compiled_model, variant = runs[name]
-            with speed.use(variant):
-                elapsed = speed.step(compiled_model, batch)
-            if r:
-                times[name].append(elapsed)
+    times = interleaved(runs, batch, args.rounds)
     print(f"\n{args.rounds} interleaved rounds; ratios: medians of per-round ratios")
     print(f"{'variant':<36}{'step ms':>9}{'x today':>9}{'peak MiB':>10}{'peak x ours':>13}{'fwd MiB':>9}"
           f"{'compile s':>11}")
@@ -291,8 +303,6 @@ def main() -> int:
 
     variants = ["respect", target, "never", *(v for v, _ in matched), *models]
     times: dict[str, list[float]] = {v: [] for v in variants}
-    import random
-
     order, rng = list(variants), random.Random(0)
     for r in range(args.rounds + 1):
         rng.shuffle(order)

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
 import statistics
 import sys
 
@@ -105,28 +104,10 @@ def main() -> int:
     for name, variant, amb in [(today, "respect", None), ("never, compiled (amb 1.0)", "no-ckpt", 1.0)]:
         compiled_model, seconds[name] = cc.compile_variant(model, batch, variant, amb)
         runs[name], peaks[name] = (compiled_model, variant), cc.step_peak(compiled_model, batch, variant)[0]
-    goal, low, high, tried = peaks[ours], 0.0, 1.0, []
-    for _ in range(args.tries):  # activation_memory_budget whose realised peak is closest to ours
-        amb = round((low + high) / 2, 4)
-        compiled_model, took = cc.compile_variant(model, batch, "no-ckpt", amb)
-        peak = cc.step_peak(compiled_model, batch, "no-ckpt")[0]
-        print(f"activation_memory_budget={amb}: step peak {peak / MiB:.2f} MiB", flush=True)
-        tried.append((abs(peak - goal), amb, compiled_model, peak, took))
-        low, high = (amb, high) if peak < goal else (low, amb)
-    _, amb, compiled_model, peak, took = min(tried, key=lambda t: t[0])
+    amb, compiled_model, peak, took, _ = cc.matching_budget(model, batch, peaks[ours], args.tries)
     match = f"torch amb {amb}, compiled"
     runs[match], peaks[match], seconds[match] = (compiled_model, "no-ckpt"), peak, took
-
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    order, rng = list(runs), random.Random(0)
-    for r in range(args.rounds + 1):
-        rng.shuffle(order)
-        for name in order:
-            compiled_model, variant = runs[name]
-            with speed.use(variant):
-                elapsed = speed.step(compiled_model, batch)
-            if r:
-                times[name].append(elapsed)
+    times = cc.interleaved(runs, batch, args.rounds)
     print(f"\n{args.rounds} interleaved rounds; ratios: medians of per-round ratios")
     print(f"{'variant':<36}{'step ms':>9}{'x respect':>11}{'peak MiB':>10}{'peak x ours':>13}{'compile s':>11}")
     for name in runs:

@@ -33,6 +33,38 @@ def last_json(result: subprocess.CompletedProcess) -> object:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+#: The start of a torch.compile test script (fresh interpreters): ``Block(width)`` checkpoints its body
+#: through gradpatch's checkpoint; ``backend`` is ``aot_eager`` noting in ``graphs``, per graph dynamo
+#: hands over, the torch checkpoints in it (one per recomputed block). Seeded: the script builds its models.
+COMPILED_BLOCKS = '''
+import json, warnings
+import torch, torch.nn as nn
+from torch._dynamo.backends.debugging import aot_eager
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+from gradpatch import settings
+from gradpatch.checkpointing import budget
+from gradpatch.checkpointing.budget import checkpoint_plan
+from gradpatch.checkpointing.checkpoint import checkpoint
+
+class Block(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, width), nn.Linear(width, 8)
+    def forward(self, x):
+        return checkpoint(self._forward, (x,), self.parameters(), True)
+    def _forward(self, x):
+        return x + self.fc2(torch.tanh(self.fc1(x)))
+
+graphs = []
+
+def backend(gm, inputs):
+    graphs.append(sum(n.target is torch.ops.higher_order.tag_activation_checkpoint for n in gm.graph.nodes))
+    return aot_eager(gm, inputs)
+
+torch.manual_seed(0)
+'''
+
+
 #: A block that checkpoints its body through ``{module}``'s OpenAI/CompVis ``checkpoint``, as upstream
 #: blocks do (written next to copies of that code in import tests).
 CHECKPOINTED_BLOCK = '''

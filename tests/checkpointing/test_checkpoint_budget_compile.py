@@ -10,33 +10,11 @@ import json
 
 import pytest
 
-from support import last_json, run_python
+from support import COMPILED_BLOCKS, last_json, run_python
 
-SCRIPT = '''
-import json, warnings
-import torch, torch.nn as nn
-from torch._dynamo.backends.debugging import aot_eager
-from gradpatch import settings
-from gradpatch.checkpointing.budget import checkpoint_plan
-from gradpatch.checkpointing.checkpoint import checkpoint
-
-class Block(nn.Module):
-    def __init__(self, width):
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(8, width), nn.Linear(width, 8)
-    def forward(self, x):
-        return checkpoint(self._forward, (x,), self.parameters(), True)
-    def _forward(self, x):
-        return x + self.fc2(torch.tanh(self.fc1(x)))
-
-torch.manual_seed(0)
+SCRIPT = COMPILED_BLOCKS + '''
 model = nn.Sequential(*[Block(w) for w in (64, 32, 64, 16)]).double()
 x = torch.randn(64, 8, dtype=torch.float64)
-graphs = []  # per graph dynamo hands over: torch's checkpoints (recomputed blocks) in it
-
-def backend(gm, inputs):
-    graphs.append(sum(n.target is torch.ops.higher_order.tag_activation_checkpoint for n in gm.graph.nodes))
-    return aot_eager(gm, inputs)
 
 def grads(run):
     model.zero_grad(set_to_none=True)

@@ -10,37 +10,15 @@ per process."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
-from support import last_json, run_python
+from support import COMPILED_BLOCKS, last_json, run_python
 
-TOY = '''
-import json, warnings
-import torch, torch.nn as nn
-from torch._dynamo.backends.debugging import aot_eager
-from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-from gradpatch import settings
-from gradpatch.checkpointing.budget import checkpoint_plan
-from gradpatch.checkpointing.checkpoint import checkpoint
-
-class Block(nn.Module):
-    def __init__(self, width):
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(8, width), nn.Linear(width, 8)
-    def forward(self, x):
-        return checkpoint(self._forward, (x,), self.parameters(), True)
-    def _forward(self, x):
-        return x + self.fc2(torch.tanh(self.fc1(x)))
-
-torch.manual_seed(0)
+TOY = COMPILED_BLOCKS + '''
 model = nn.Sequential(nn.Linear(8, 8), *[Block(w) for w in (64, 32, 64, 16)]).double()
 x = torch.randn(64, 8, dtype=torch.float64)
-graphs = []  # per graph dynamo hands over: torch's checkpoints (recomputed blocks) in it
-
-def backend(gm, inputs):
-    graphs.append(sum(n.target is torch.ops.higher_order.tag_activation_checkpoint for n in gm.graph.nodes))
-    return aot_eager(gm, inputs)
 
 def grads(run):
     model.zero_grad(set_to_none=True)
@@ -131,26 +109,14 @@ def test_peak_on_a_model_compiled_in_place_recomputes_every_block_with_one_warni
     assert result["modes"] == 0 and result["hooks"] == [0, 0, 0, 0]
 
 
-UNET = '''
-import json, warnings
-import torch
-from torch._dynamo.backends.debugging import aot_eager
-from torch.profiler import ProfilerActivity, profile
-from torch._C._profiler import _EventType
-import gradpatch
-from gradpatch import settings
-from gradpatch.checkpointing import budget
+UNET = COMPILED_BLOCKS + '''
 from gradpatch.testing import audioldm_batch, audioldm_unet
+from test_checkpoint_memory import peak_and_end  # the allocator's events, frees matched by address
 
 torch.set_num_threads(1)
 unet = audioldm_unet(use_checkpoint=True)  # (float32: upstream casts its input to its dtype attribute)
 batch = audioldm_batch()
 x, t, y = batch["x"], batch["timesteps"], batch["y"]
-graphs = []
-
-def backend(gm, inputs):
-    graphs.append(sum(n.target is torch.ops.higher_order.tag_activation_checkpoint for n in gm.graph.nodes))
-    return aot_eager(gm, inputs)
 
 def step(run):
     unet.zero_grad(set_to_none=True)
@@ -159,26 +125,6 @@ def step(run):
 def grads(run):
     step(run)
     return [p.grad.clone() for p in unet.parameters()]
-
-def allocator_peak(fn):
-    """The step's peak above its start: the profiler's allocation events, frees matched by address."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        node = stack.pop()
-        stack.extend(node.children)
-        if node.tag == _EventType.Allocation:
-            events.append((node.start_time_ns, node.extra_fields.ptr, node.extra_fields.alloc_size))
-    live, now, peak = {}, 0, 0
-    for _, ptr, size in sorted(events):
-        if size > 0:
-            live[ptr] = size
-            now += size
-        elif ptr in live:
-            now -= live.pop(ptr)
-        peak = max(peak, now)
-    return peak
 
 with settings.checkpoint_policy_scope("never"):
     want = grads(unet)
@@ -202,7 +148,7 @@ with warnings.catch_warnings(record=True) as caught:
             errors.append(grads(compiled))
         plan = budget.checkpoint_plan(unet)
         before = len(graphs)
-        peak = allocator_peak(lambda: step(compiled))
+        peak = peak_and_end(lambda: step(compiled))[0]
         after = len(graphs) - before
 ours = [str(w.message) for w in caught if "gradpatch" in str(w.message) or "recompile" in str(w.message)]
 err = max((a - b).abs().max().item() for g in errors for a, b in zip(g, want))
@@ -226,6 +172,7 @@ def test_compiled_audioldm_unet_is_planned_with_exact_gradients(kind):
     not measured (under inductor it can be above the eager prediction: ``benchmarks/peak_compile.py``)."""
     pytest.importorskip("audioldm")  # (the newest-torch environment leaves it out: skipped there)
     result = last_json(run_python(UNET.replace("POLICY_KIND", json.dumps(kind)), timeout=900,
+                                  pythonpath=[Path(__file__).parent],
                                   env={"GRADPATCH": "1", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}))
     assert result["err"] <= 1e-5 * result["scale"], result
     unmeasured = ["compiled into this model as planned on eager steps" in w for w in result["warnings"]]
@@ -238,32 +185,9 @@ def test_compiled_audioldm_unet_is_planned_with_exact_gradients(kind):
         assert result["peak"] <= result["size"], (result["peak"], result["size"], result["summary"])
 
 
-TURNS = '''
-import json, warnings
-import torch, torch.nn as nn
-from torch._dynamo.backends.debugging import aot_eager
-from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-from gradpatch import settings
-from gradpatch.checkpointing import budget
-from gradpatch.checkpointing.checkpoint import checkpoint
-
-class Block(nn.Module):
-    def __init__(self, width):
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(8, width), nn.Linear(width, 8)
-    def forward(self, x):
-        return checkpoint(self._forward, (x,), self.parameters(), True)
-    def _forward(self, x):
-        return x + self.fc2(torch.tanh(self.fc1(x)))
-
-torch.manual_seed(0)
+TURNS = COMPILED_BLOCKS + '''
 models = [nn.Sequential(nn.Linear(8, 8), *[Block(w) for w in widths]).double() for widths in ((64, 32), (16, 48))]
 x = torch.randn(64, 8, dtype=torch.float64)
-compiles = [0]
-
-def backend(gm, inputs):
-    compiles[0] += 1
-    return aot_eager(gm, inputs)
 
 def grads(run, model):
     model.zero_grad(set_to_none=True)
@@ -278,10 +202,10 @@ with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     with settings.checkpoint_policy_scope(POLICY):
         for _ in range(12):
-            before = compiles[0]
+            before = len(graphs)
             for c, m, w in zip(compiled, models, want):  # the two models take turns, each its own step
                 errors.append(max((a - b).abs().max().item() for a, b in zip(grads(c, m), w)))
-            per_step.append(compiles[0] - before)
+            per_step.append(len(graphs) - before)
         summary = budget.checkpoint_plan().summary()
 scale = max(b.abs().max().item() for w in want for b in w)
 hooks = sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in (*models, *compiled))

@@ -88,21 +88,16 @@ def eager_steps(unplanned: Callable[[], bool]) -> None:
     return). A graph break per block instead would compile the code around each block apart, once per
     module (a UNet's ``TimestepEmbedSequential.forward`` for every level: past dynamo's recompilation
     limit, with dynamic shapes)."""
-    _state["eager"], _state["thread"] = unplanned, threading.get_ident()
-    root = _root()
-    if root is None or getattr(root, "_compiled_call_impl", None) is not None:
-        return  # (no hook outside the compiled call would take the mode off: graph breaks per block)
-    _hook(root)
-    if _state["pushed"] is None:
+    if eager_from_root(unplanned) and _state["pushed"] is None:
         _push_eager()
 
 
 def eager_from_root(unplanned: Callable[[], bool]) -> bool:
-    """At trace time while a plan is made: whether the compiled call's root (the outermost module call
-    on the stack, outside the compiled code) runs the next steps eagerly while ``unplanned()``
-    (:class:`EagerSteps` pushed by its hooks, which run before dynamo); then this step's blocks may be
-    traced recomputed, without a graph break. Not for a model compiled in place, whose hooks run in
-    the compiled code."""
+    """Whether the compiled call's root (the outermost module call on the stack, outside the compiled
+    code) runs the next steps eagerly while ``unplanned()`` (:class:`EagerSteps` pushed by its hooks,
+    which run before dynamo): at trace time, this step's blocks may then be traced recomputed, without
+    a graph break. Not for a model compiled in place, whose hooks run in the compiled code (nothing
+    outside its call would take the mode off: graph breaks per block)."""
     root = _root()
     if root is None or getattr(root, "_compiled_call_impl", None) is not None:
         return False

@@ -204,7 +204,7 @@ def run(func: Callable[..., Any], args: tuple, kwargs: dict | None, policy: str,
             PEAK.epoch = PLANNER.epoch
         recordable = first and _recordable(policy, early, inside_compiled)
         if PEAK.recorded is None:
-            if recordable and all(b.measured for _, b in PLANNER.live()):
+            if recordable and _measured():
                 PEAK.recording = timeline.start({}, _values(args, kwargs), [b for _, b in PLANNER.live()], early)
                 return timeline.run(PEAK.recording, block, paths.run, func, args, kwargs)
             forward_start.release(early)

@@ -112,7 +112,8 @@ def _phase(policy: str) -> str:
     """At trace time, without the block (no guard on the module: one compiled code for all its
     instances while measuring): ``EAGER`` while the plan is not solved, ``KEEP`` to ask
     :func:`_decide`, ``RECOMPUTE`` where nothing can be measured or bounded."""
-    if solved(policy) is None:  # (measured eagerly whatever the shapes: a call has real ones)
+    plan = solved(policy)
+    if plan is None:  # (measured eagerly whatever the shapes: a call has real ones)
         if recompile.breakable() is not None and forward_start.eager_from_root(_unplanned):
             _record(None)  # the next steps run eagerly until the plan is made; then compiled anew
             return RECOMPUTE
@@ -120,7 +121,7 @@ def _phase(policy: str) -> str:
     if _symbolic():
         compiled.note("dynamic shapes in the compiled region (the bytes a block keeps have no bound)")
         return RECOMPUTE
-    if settings.is_peak(policy) and solved(policy) is not peak.UNRECORDED:
+    if settings.is_peak(policy) and plan is not peak.UNRECORDED:
         compiled.compiled_peak(policy)
     return KEEP
 
