@@ -18,7 +18,7 @@ LOWER_VENV ?= .venv-torch-lower
 LOWER_PY := $(LOWER_VENV)/bin/python
 LOWER_TESTS := tests/checkpointing/test_checkpoint_fix.py tests/checkpointing/test_checkpoint_properties.py \
 	tests/checkpointing/test_checkpoint_trust.py tests/patching/test_engine.py tests/patching/test_trust.py \
-	tests/patching/test_definitions.py tests/sampling/test_differentiable.py tests/sampling/test_sampler_options.py \
+	tests/patching/test_definitions.py tests/sampling/test_differentiable.py tests/sampling/test_differentiable_unwatched.py tests/sampling/test_sampler_options.py \
 	tests/sampling/test_step_checkpoint.py tests/sampling/test_lift.py tests/sampling/test_lift_trust.py \
 	tests/sampling/test_trust_steps.py tests/project/test_skip_policy.py
 SKIP_TORCH_LOWER ?=

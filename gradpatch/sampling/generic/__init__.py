@@ -5,6 +5,8 @@ of the tensors saved), coroutine (async samplers)."""
 
 from typing import Any
 
+_SUBMODULES = frozenset({"any_sampler", "call", "callables", "copy_on_write", "coroutine", "gradoff", "held"})
+
 
 def __getattr__(name: str) -> Any:
     # gradpatch.sampling.generic was a module before it was this package (one release): its names
@@ -14,6 +16,9 @@ def __getattr__(name: str) -> Any:
         raise AttributeError(name)
     import importlib
     import warnings
+
+    if name in _SUBMODULES:  # `from gradpatch.sampling.generic import gradoff` asks here before importing it
+        return importlib.import_module(f"{__name__}.{name}")
 
     for where in ("gradpatch.sampling.generic.callables", "gradpatch.sampling.generic.call"):
         module = importlib.import_module(where)

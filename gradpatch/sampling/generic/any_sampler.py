@@ -78,16 +78,18 @@ weight swap (a ``@contextmanager`` named ``ema_scope`` or ``*_ema_*``), a grad-o
 variable, a result that left torch (``.cpu().numpy()``, ``None`` because it was written to a file:
 anything returned with no tensor carrying a graph while something required grad).
 
-**Costs.** Every torch call during the call passes through one Python ``__torch_function__`` mode (copy
-on write), and every tensor saved for backward through a Python pack hook: measured on CPU
-(``benchmarks/differentiable_overhead.py``) at 1.9x the time of the same sampler written by hand for a
-tiny width-64 MLP, 1.5x at width 256, 1.05x at width 1024 and 1.12x on Chatterbox's S3Gen decoder at
+**Costs.** Every torch call of the sampler passes through one Python ``__torch_function__`` mode (copy
+on write), and so do the ``step``'s in its first two recorded evaluations (later ones too if copy on
+write acted in those), and every tensor saved for backward through a Python pack hook: measured on CPU
+(``benchmarks/differentiable_overhead.py``) at 1.8x the time of the same sampler written by hand for a
+tiny width-64 MLP, 1.3x at width 256, 1.05x at width 1024 and 1.05x on Chatterbox's S3Gen decoder at
 its real size; the overhead is per torch call, so it shrinks as the network grows. Tensors saved for backward and overwritten later are copied once.
 The grad-off managers are patched at class level while a call is active (other contexts run torch's
 own code). ``checkpoint_steps`` costs a second forward of each step.
 
 **What breaks.** Writes torch does not dispatch (``.data`` copies, C++ extensions) into tensors saved
-for backward raise in backward; so does any write into a tensor saved for backward under
+for backward raise in backward, and so does a write of the ``step``'s own into a tensor saved, made only
+after its first two recorded evaluations (those wrote nothing saved, so later ones run unwatched); so does any write into a tensor saved for backward under
 ``torch.func.grad`` or ``torch.autograd.graph.disable_saved_tensors_hooks`` (no copy-on-write hooks
 there: the call runs, torch's own version check raises). ``torch._C._set_grad_enabled(False)`` called directly is not seen.
 Code compiled with ``torch.compile`` inside the call may graph-break at the mode. A network that caches

@@ -32,6 +32,10 @@ from gradpatch.sampling.steps.odeint import stepped_odeint
 from gradpatch.sampling.values import clean, codes, cut_by_callbacks, describe, overriding_classes, tensors, user_codes
 
 FAMILY = "generic"
+# A step whose first recorded evaluations make copy on write do nothing (no copy kept: nothing saved was
+# written) runs its later ones without the mode: a write a buffer refill makes into what the previous
+# evaluation saved shows in the second one.
+WATCHED_EVALUATIONS = 2
 
 
 def _start(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:  # the boundary of a call
@@ -108,9 +112,13 @@ class Sampler:
 class _Run:
     """The step count of one call, and its copy-on-write state."""
 
-    def __init__(self, sampler: Sampler, total: int | None, cow: CopyOnWrite) -> None:
+    def __init__(self, sampler: Sampler, total: int | None, first: int, cow: CopyOnWrite) -> None:
         self.sampler, self.total, self.cow, self.count, self.inside = sampler, total, cow, 0, False
+        self.first = first  # the first recorded step (grad_steps)
         self.live: Any = None  # the call's gradoff.Call
+        # Recorded evaluations of the step still to run under copy on write's mode before it is taken off for
+        # the step's evaluations (CopyOnWrite.unwatched); None once copy on write acted inside one: kept on.
+        self.watch_left: int | None = WATCHED_EVALUATIONS
 
     def step(self, real: Callable[..., Any], args: tuple, kwargs: dict, recomputed: Any) -> Any:
         index, self.count = self.count, self.count + 1
@@ -121,7 +129,15 @@ class _Run:
         fn = self._as_was(real, args, kwargs) if recomputed else real  # else evaluated once, now
         self.inside = True
         try:
-            return clean(run_step(index, self.total or 0, fn, *args, **kwargs))
+            if self.watch_left == 0:
+                with self.cow.unwatched():
+                    out = run_step(index, self.total or 0, fn, *args, **kwargs)
+            else:
+                recorded, acted = torch.is_grad_enabled() and index >= self.first, self.cow.acted
+                out = run_step(index, self.total or 0, fn, *args, **kwargs)
+                if self.watch_left is not None and recorded and torch.is_grad_enabled():
+                    self.watch_left = None if self.cow.acted != acted else self.watch_left - 1
+            return clean(out)
         finally:
             self.inside = False
 
@@ -203,7 +219,8 @@ def call(sampler: Sampler, original: Callable[..., Any], args: tuple, kwargs: di
         bound = sampler.signature.bind(*args, **kwargs)
     total = sampler.total(bound, owner) if options.grad_steps is not None and not ode and not unrouted else None
     cow = CopyOnWrite()
-    run = _Run(sampler, total, cow)
+    first = total - options.grad_steps if total is not None and options.grad_steps is not None else 0
+    run = _Run(sampler, total, first, cow)
     state.family_state = run
     live = gradoff.Call(where, sampler.codes, user_codes([list(args), kwargs], owner) - sampler.codes,
                         overriding_classes([owner, sampler.step, list(args), kwargs]))

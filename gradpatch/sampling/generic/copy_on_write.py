@@ -23,20 +23,28 @@ What breaks: a write that torch does not dispatch through ``__torch_function__``
 C++ extensions writing into a tensor they were given) is not seen; backward then raises (the saved
 version differs) rather than use the new values. Tensors saved inside a checkpointed region are not
 packed here (the checkpoint recomputes them); the region's inputs are (:meth:`CopyOnWrite.hold`).
-Every torch call of the sampler and its networks passes through the mode during the call (a Python
-call each; one dict lookup decides that a call writes nothing), and every tensor saved for backward
-through the pack hook (a parameter saved again at each step is held once):
+Every torch call of the sampler passes through the mode during the call (a Python call each; one dict
+lookup decides that a call writes nothing), and every tensor saved for backward through the pack hook
+(a parameter saved again at each step is held once). The step's network is watched in its first two
+recorded evaluations only, unless copy on write acted there (kept a copy, made an update out of
+place): its later evaluations run without the mode (:meth:`CopyOnWrite.unwatched`), since the mode
+alone costs a Python call per torch call, most of them inside the network. Their saves still go
+through the pack hook: the sampler's refills of what they saved are still copied, and a write of
+their own into a tensor saved (one their first evaluations did not make) fails in backward
+(:meth:`~gradpatch.sampling.generic.held.Saved.value`) as torch's own version check would.
 ``benchmarks/differentiable_overhead.py`` (CPU, one thread, forward + backward against the hand-written
-reference) measured 1.9x for a width-64 MLP (16 Euler steps, batch 8), 1.5x at width 256, 1.05x at width 1024,
-and 1.12x on Chatterbox's S3Gen decoder at its real size (10 steps, 50 frames).
+reference) measured 1.8x for a width-64 MLP (16 Euler steps, batch 8), 1.3x at width 256, 1.05x at
+width 1024, 1.2x and 1.4x on Chatterbox's and Matcha's tiny decoders and 1.05x on Chatterbox's S3Gen
+decoder at its real size (10 steps, 50 frames).
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 import weakref
 from contextvars import ContextVar
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -64,6 +72,7 @@ class CopyOnWrite(TorchFunctionMode):
         self.tokens: list[Any] = []
         self.noted, self.sweep_at = 0, 4096
         self.leaves: dict[int, Saved] = {}  # id -> the last hold of a leaf that requires grad (it holds it)
+        self.acted = 0  # writes that copy on write changed: a copy kept, a leaf's update made out of place
 
     def note(self, pointer: int, held: Saved | Through) -> None:
         refs = self.saved.get(pointer)
@@ -144,6 +153,18 @@ class CopyOnWrite(TorchFunctionMode):
             setitem_to_modes(False)
             _active.reset(self.tokens.pop())
 
+    @contextlib.contextmanager
+    def unwatched(self) -> Iterator[None]:
+        """The mode off (if it is the innermost) for one evaluation of a network that wrote nothing when
+        watched: its saves still go through :meth:`pack`, so a write there to a tensor saved for backward
+        fails in backward (:meth:`Saved.value`) as torch's own check would."""
+        depth = torch._C._len_torch_function_stack()
+        if depth == 0 or torch._C._get_function_stack_at(depth - 1) is not self:
+            yield
+            return
+        with torch.overrides._pop_mode_temporarily():
+            yield
+
     unpack = staticmethod(Saved.value)  # one call per tensor unpacked in backward
 
     def hooks(self) -> Any:
@@ -174,6 +195,7 @@ class CopyOnWrite(TorchFunctionMode):
         for ref in refs or ():
             held = ref()
             if held is not None:
+                self.acted += 1
                 held.protect()
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
@@ -196,12 +218,14 @@ class CopyOnWrite(TorchFunctionMode):
         name = getattr(func, "__name__", "")
         if kind == "augmented" and args and isinstance(args[0], torch.Tensor) and args[0].is_leaf \
                 and args[0].requires_grad and torch.is_grad_enabled():
+            self.acted += 1
             return getattr(torch.Tensor, _AUGMENTED[name])(*args, **kwargs)  # x += v: rebinds x, out of place
         if args and kind in ("augmented", "write"):
             self._protect(args[0])
             target = args[0]
             if not torch.is_grad_enabled() and isinstance(target, torch.Tensor) and target.requires_grad \
                     and target._base is None and getattr(sampling_run.current.get(), "cut", False):
+                self.acted += 1
                 target.detach_()  # grad_steps: a state updated in place in an early step leaves the graph
         out = kwargs.get("out")
         if out is not None:

@@ -22,9 +22,11 @@ class Saved:
         if self.copy is not None:
             return self.copy
         if self.tensor._version != self.version:
-            raise RuntimeError("gradpatch.differentiable: a tensor saved for backward was modified in place by "
-                               "an operation that torch does not dispatch through __torch_function__ (a .data "
-                               "copy, a C++ extension); its gradient cannot be computed")
+            raise RuntimeError("gradpatch.differentiable: a tensor saved for backward was modified in place by a "
+                               "write gradpatch did not see: one that torch does not dispatch through "
+                               "__torch_function__ (a .data copy, a C++ extension), or one the step made only after "
+                               "its first evaluations, which wrote nothing saved (later ones run unwatched); its "
+                               "gradient cannot be computed. Make that write out of place")
         return self.tensor
 
     def protect(self) -> None:
