@@ -1,9 +1,12 @@
-"""Copy on write's mode taken off the step's later evaluations (``CopyOnWrite.unwatched``): a network
-whose first recorded evaluations write nothing saved runs its later ones without the mode; one whose
-writes need copy on write keeps it; a write into what an earlier evaluation saved keeps it too; a write
-that appears only later, unseen, fails in backward instead of giving a wrong gradient."""
+"""Copy on write taken off the step's later evaluations (``gradpatch.sampling.generic.unwatched``): a
+network whose first recorded evaluations write nothing saved runs its later ones without the mode, and
+without the pack hook while the call has needed no copy; one whose writes need copy on write keeps
+both; a sampler refilling what an evaluation saved keeps the pack hook; the caller's saved-tensor hooks
+still get every tensor; a write that appears only later, unseen, fails in backward instead of giving a
+wrong gradient."""
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
 
@@ -15,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).parents[1]))
 import foreign_samplers as fs  # noqa: E402
 
 import gradpatch  # noqa: E402
+from gradpatch.checkpointing.compat import top_saved_tensors_hooks  # noqa: E402
 from gradpatch.sampling.generic.call import WATCHED_EVALUATIONS  # noqa: E402
 from gradpatch.sampling.generic.copy_on_write import CopyOnWrite  # noqa: E402
 from support import assert_grads_equal  # noqa: E402
@@ -30,16 +34,25 @@ def watched() -> bool:
     return any(isinstance(mode, CopyOnWrite) for mode in torch.overrides._get_current_function_mode_stack())
 
 
+def packed_by_copy_on_write() -> bool:
+    top = top_saved_tensors_hooks()
+    return top is not None and str(getattr(top[1], "__module__", "")).startswith("gradpatch.sampling.generic")
+
+
+READABLE_HOOKS = hasattr(torch._C._autograd, "_top_saved_tensors_default_hooks")  # torch 2.2 on
+
+
 class Net(torch.nn.Module):
     """``sigmoid`` saves its output; ``scale_from`` on, the output is scaled in place (copy on write keeps
     what sigmoid saved)."""
 
     def __init__(self, scale_from: int | None = None) -> None:
         super().__init__()
-        self.lin, self.scale_from, self.calls, self.seen = torch.nn.Linear(4, 4), scale_from, 0, []
+        self.lin, self.scale_from, self.calls, self.seen, self.hooked = torch.nn.Linear(4, 4), scale_from, 0, [], []
 
     def forward(self, x):
         self.seen.append(watched())
+        self.hooked.append(packed_by_copy_on_write())
         h = self.lin(x).sigmoid()
         if self.scale_from is not None and self.calls >= self.scale_from:
             h.mul_(0.5)
@@ -59,7 +72,14 @@ def reference(net: Net, x):
 @torch.no_grad()
 def euler(net, x):
     for _ in range(STEPS):
-        x += net(x)
+        x += net(x)  # writes what the Linear saved in the step before: copy on write acts at every step
+    return x
+
+
+@torch.no_grad()
+def euler_out_of_place(net, x):
+    for _ in range(STEPS):
+        x = x + net(x)
     return x
 
 
@@ -68,6 +88,7 @@ def test_a_network_that_writes_nothing_saved_runs_its_later_evaluations_unwatche
     net, x = Net(), torch.randn(2, 4, requires_grad=True)
     out = gradpatch.differentiable(euler, step="net")(net, x.clone())
     assert net.seen == [True] * WATCHED_EVALUATIONS + [False] * (STEPS - WATCHED_EVALUATIONS)
+    assert net.hooked == [READABLE_HOOKS] * STEPS  # the sampler's `x +=` needs the copies: packed throughout
     params = [x, *net.parameters()]
     assert_grads_equal(grads(out.square().sum(), *params), grads(reference(net, x).square().sum(), *params))
 
@@ -145,3 +166,42 @@ def test_grad_steps_evaluations_outside_the_graph_are_not_judged(k):
         want = want + net.lin(want).sigmoid() * (0.5 if i > first else 1.0)
     params = list(net.parameters())
     assert_grads_equal(grads(out.square().sum(), *params), grads(want.square().sum(), *params))
+
+
+@pytest.mark.parametrize("outer", [False, True])
+def test_a_call_that_needs_no_copy_leaves_the_later_evaluations_to_torch(outer):
+    """Nothing written after being saved: the later evaluations run without the pack hook too; under
+    the caller's ``save_on_cpu`` they save through it, as without gradpatch."""
+    torch.manual_seed(0)
+    net, x = Net(), torch.randn(2, 4, requires_grad=True)
+    packed = []
+
+    def pack(tensor):
+        packed.append(tensor.shape)
+        return tensor
+
+    hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if outer else contextlib.nullcontext()
+    with hooks:
+        out = gradpatch.differentiable(euler_out_of_place, step="net")(net, x.clone())
+    later = STEPS - WATCHED_EVALUATIONS
+    assert net.seen == [True] * WATCHED_EVALUATIONS + [False] * later
+    if READABLE_HOOKS:  # torch 2.1 cannot tell which hooks are innermost: the pack hook stays on there
+        assert net.hooked == [True] * WATCHED_EVALUATIONS + [False] * later
+    if outer and READABLE_HOOKS:  # every evaluation's saves reached the caller's hooks (the Linear's input, the
+        assert len(packed) >= 2 * STEPS  # sigmoid's output); on torch 2.1 copy on write stands in front of them
+    params = [x, *net.parameters()]
+    want = x
+    for _ in range(STEPS):
+        want = want + net.lin(want).sigmoid()
+    assert_grads_equal(grads(out.square().sum(), *params), grads(want.square().sum(), *params))
+
+
+def test_a_write_unseen_without_the_pack_hook_fails_in_backward():
+    torch.manual_seed(0)
+    net, x = Net(scale_from=WATCHED_EVALUATIONS + 1), torch.randn(2, 4, requires_grad=True)
+    out = gradpatch.differentiable(euler_out_of_place, step="net")(net, x.clone())
+    assert net.hooked[-1] is False
+    # torch's version counter; on torch 2.1 (the pack hook stays on) copy on write's own check
+    message = "modified by an inplace operation" if READABLE_HOOKS else "modified in place by a write gradpatch"
+    with pytest.raises(RuntimeError, match=message):
+        out.sum().backward()

@@ -1,11 +1,12 @@
 """gradpatch.differentiable for any sampler: any_sampler (the public function, torch-free), callables (what
 it returns; a string target's fix), call (one call),
 gradoff (the sampler's grad-off managers made inert), copy_on_write (in-place writes; held: what it holds
-of the tensors saved), coroutine (async samplers)."""
+of the tensors saved; unwatched: the step's later evaluations without it), coroutine (async samplers)."""
 
 from typing import Any
 
-_SUBMODULES = frozenset({"any_sampler", "call", "callables", "copy_on_write", "coroutine", "gradoff", "held"})
+_SUBMODULES = frozenset({"any_sampler", "call", "callables", "copy_on_write", "coroutine", "gradoff", "held",
+                         "unwatched"})
 
 
 def __getattr__(name: str) -> Any:

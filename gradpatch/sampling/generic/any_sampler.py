@@ -79,19 +79,23 @@ variable, a result that left torch (``.cpu().numpy()``, ``None`` because it was 
 anything returned with no tensor carrying a graph while something required grad).
 
 **Costs.** Every torch call of the sampler passes through one Python ``__torch_function__`` mode (copy
-on write), and so do the ``step``'s in its first two recorded evaluations (later ones too if copy on
-write acted in those), and every tensor saved for backward through a Python pack hook: measured on CPU
-(``benchmarks/differentiable_overhead.py``) at 1.8x the time of the same sampler written by hand for a
-tiny width-64 MLP, 1.3x at width 256, 1.05x at width 1024 and 1.05x on Chatterbox's S3Gen decoder at
-its real size; the overhead is per torch call, so it shrinks as the network grows. Tensors saved for backward and overwritten later are copied once.
+on write), and every tensor saved for backward through a Python pack hook; the ``step``'s evaluations
+after its first two recorded ones run without them where copy on write had nothing to do
+(:mod:`~gradpatch.sampling.generic.unwatched`). Measured on CPU (``benchmarks/differentiable_overhead.py``)
+at 1.7x the time of the same sampler written by hand for a tiny width-64 MLP, 1.2x at width 256, 1.04x
+at width 1024, 1.2x on Chatterbox's and Matcha's tiny decoders and 1.05x on Chatterbox's S3Gen decoder
+at its real size; the overhead is per torch call, so it shrinks as the network grows. Tensors saved for
+backward and overwritten later are copied once.
 The grad-off managers are patched at class level while a call is active (other contexts run torch's
 own code). ``checkpoint_steps`` costs a second forward of each step.
 
 **What breaks.** Writes torch does not dispatch (``.data`` copies, C++ extensions) into tensors saved
-for backward raise in backward, and so does a write of the ``step``'s own into a tensor saved, made only
-after its first two recorded evaluations (those wrote nothing saved, so later ones run unwatched); so does any write into a tensor saved for backward under
+for backward raise in backward, and so do a write of the ``step``'s own into a tensor saved and a refill
+of what it saved, made only after its first two recorded evaluations (where copy on write had nothing
+to do, so later ones run unwatched); so does any write into a tensor saved for backward under
 ``torch.func.grad`` or ``torch.autograd.graph.disable_saved_tensors_hooks`` (no copy-on-write hooks
-there: the call runs, torch's own version check raises). ``torch._C._set_grad_enabled(False)`` called directly is not seen.
+there: the call runs, torch's own version check raises). ``torch._C._set_grad_enabled(False)`` called
+directly is not seen.
 Code compiled with ``torch.compile`` inside the call may graph-break at the mode. A network that caches
 a tensor across steps (F5-TTS's text embedding with ``cache=True``) computes it in the first step: with
 ``grad_steps`` that step is not recorded, so the cached tensor is a constant in the last K steps and

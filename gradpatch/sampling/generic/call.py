@@ -26,6 +26,7 @@ from gradpatch.errors import NotDifferentiableError
 from gradpatch.sampling.generic import gradoff
 from gradpatch.sampling.generic.copy_on_write import CopyOnWrite
 from gradpatch.sampling.generic.coroutine import awaited
+from gradpatch.sampling.generic.unwatched import unwatched
 from gradpatch.sampling.run import SamplingRun, current, run_step
 from gradpatch.sampling.shadows import shadow
 from gradpatch.sampling.steps.odeint import stepped_odeint
@@ -116,8 +117,8 @@ class _Run:
         self.sampler, self.total, self.cow, self.count, self.inside = sampler, total, cow, 0, False
         self.first = first  # the first recorded step (grad_steps)
         self.live: Any = None  # the call's gradoff.Call
-        # Recorded evaluations of the step still to run under copy on write's mode before it is taken off for
-        # the step's evaluations (CopyOnWrite.unwatched); None once copy on write acted inside one: kept on.
+        # Recorded evaluations of the step still to run watched by copy on write before they run without it
+        # (gradpatch.sampling.generic.unwatched); None once copy on write acted inside one: watched for good.
         self.watch_left: int | None = WATCHED_EVALUATIONS
 
     def step(self, real: Callable[..., Any], args: tuple, kwargs: dict, recomputed: Any) -> Any:
@@ -130,7 +131,7 @@ class _Run:
         self.inside = True
         try:
             if self.watch_left == 0:
-                with self.cow.unwatched():
+                with unwatched(self.cow, hooks=not recomputed and not self.cow.acted):
                     out = run_step(index, self.total or 0, fn, *args, **kwargs)
             else:
                 recorded, acted = torch.is_grad_enabled() and index >= self.first, self.cow.acted

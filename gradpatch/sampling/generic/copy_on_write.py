@@ -25,26 +25,20 @@ version differs) rather than use the new values. Tensors saved inside a checkpoi
 packed here (the checkpoint recomputes them); the region's inputs are (:meth:`CopyOnWrite.hold`).
 Every torch call of the sampler passes through the mode during the call (a Python call each; one dict
 lookup decides that a call writes nothing), and every tensor saved for backward through the pack hook
-(a parameter saved again at each step is held once). The step's network is watched in its first two
-recorded evaluations only, unless copy on write acted there (kept a copy, made an update out of
-place): its later evaluations run without the mode (:meth:`CopyOnWrite.unwatched`), since the mode
-alone costs a Python call per torch call, most of them inside the network. Their saves still go
-through the pack hook: the sampler's refills of what they saved are still copied, and a write of
-their own into a tensor saved (one their first evaluations did not make) fails in backward
-(:meth:`~gradpatch.sampling.generic.held.Saved.value`) as torch's own version check would.
+(a parameter saved again at each step is held once); the step's evaluations after its first two, where
+copy on write had nothing to do, run without them (:mod:`gradpatch.sampling.generic.unwatched`).
 ``benchmarks/differentiable_overhead.py`` (CPU, one thread, forward + backward against the hand-written
-reference) measured 1.8x for a width-64 MLP (16 Euler steps, batch 8), 1.3x at width 256, 1.05x at
-width 1024, 1.2x and 1.4x on Chatterbox's and Matcha's tiny decoders and 1.05x on Chatterbox's S3Gen
+reference) measured 1.7x for a width-64 MLP (16 Euler steps, batch 8), 1.2x at width 256, 1.04x at
+width 1024, 1.24x and 1.20x on Chatterbox's and Matcha's tiny decoders and 1.05x on Chatterbox's S3Gen
 decoder at its real size (10 steps, 50 frames).
 """
 from __future__ import annotations
 
-import contextlib
 import sys
 import threading
 import weakref
 from contextvars import ContextVar
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -73,6 +67,7 @@ class CopyOnWrite(TorchFunctionMode):
         self.noted, self.sweep_at = 0, 4096
         self.leaves: dict[int, Saved] = {}  # id -> the last hold of a leaf that requires grad (it holds it)
         self.acted = 0  # writes that copy on write changed: a copy kept, a leaf's update made out of place
+        self.pushed: tuple[Any, Any] | None = None  # the (pack, unpack) pushed by hooks(), once entered
 
     def note(self, pointer: int, held: Saved | Through) -> None:
         refs = self.saved.get(pointer)
@@ -153,18 +148,6 @@ class CopyOnWrite(TorchFunctionMode):
             setitem_to_modes(False)
             _active.reset(self.tokens.pop())
 
-    @contextlib.contextmanager
-    def unwatched(self) -> Iterator[None]:
-        """The mode off (if it is the innermost) for one evaluation of a network that wrote nothing when
-        watched: its saves still go through :meth:`pack`, so a write there to a tensor saved for backward
-        fails in backward (:meth:`Saved.value`) as torch's own check would."""
-        depth = torch._C._len_torch_function_stack()
-        if depth == 0 or torch._C._get_function_stack_at(depth - 1) is not self:
-            yield
-            return
-        with torch.overrides._pop_mode_temporarily():
-            yield
-
     unpack = staticmethod(Saved.value)  # one call per tensor unpacked in backward
 
     def hooks(self) -> Any:
@@ -172,6 +155,7 @@ class CopyOnWrite(TorchFunctionMode):
         every tensor saved."""
         outer = top_saved_tensors_hooks()
         pack, unpack = self.compose(*outer) if outer is not None and _foreign(*outer) else (self.pack, self.unpack)
+        self.pushed = (pack, unpack)
         return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
     def compose(self, pack: Callable[[torch.Tensor], Any], unpack: Callable[[Any], torch.Tensor]) -> tuple:
