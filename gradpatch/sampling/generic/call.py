@@ -34,8 +34,8 @@ from gradpatch.sampling.values import clean, codes, cut_by_callbacks, describe, 
 
 FAMILY = "generic"
 # A step whose first recorded evaluations make copy on write do nothing (no copy kept: nothing saved was
-# written) runs its later ones without the mode: a write a buffer refill makes into what the previous
-# evaluation saved shows in the second one.
+# written) runs its later ones unwatched (gradpatch.sampling.generic.unwatched). Two: a buffer refill
+# into what the previous evaluation saved shows in the second one.
 WATCHED_EVALUATIONS = 2
 
 
