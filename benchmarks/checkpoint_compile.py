@@ -208,18 +208,25 @@ def gradpatch_compiled(args: argparse.Namespace) -> int:
     amb, compiled_model, peak, took, kept = matching_budget(model, batch, peaks[ours], args.tries)
     match = f"torch amb {amb}, compiled"
     runs[match], peaks[match], seconds[match], after[match] = (compiled_model, "no-ckpt"), peak, took, kept
-    times = interleaved(runs, batch, args.rounds)
-    print(f"\n{args.rounds} interleaved rounds; ratios: medians of per-round ratios")
-    print(f"{'variant':<36}{'step ms':>9}{'x today':>9}{'peak MiB':>10}{'peak x ours':>13}{'fwd MiB':>9}"
-          f"{'compile s':>11}")
-    for name in runs:
-        ratio = statistics.median(a / b for a, b in zip(times[name], times[today]))
-        print(f"{name:<36}{statistics.median(times[name]) * 1e3:>9.1f}{ratio:>9.3f}{peaks[name] / 2**20:>10.2f}"
-              f"{peaks[name] / peaks[ours]:>13.2f}{after[name] / 2**20:>9.2f}{seconds[name]:>11.0f}")
-    for other in (today, match):
+    side_by_side(interleaved(runs, batch, args.rounds), peaks, seconds, ours, (today, match), "x today", after)
+    return 0
+
+
+def side_by_side(times: dict[str, list[float]], peaks: dict[str, int], seconds: dict[str, float], ours: str,
+                 others: tuple[str, str], against: str, after: dict[str, int] | None = None) -> None:
+    """The interleaved rounds' table (each run's time against ``others[0]``, its peak against ``ours``;
+    with ``after``, what each keeps after the forward) and ``ours`` against both ``others``."""
+    print(f"\n{len(times[ours])} interleaved rounds; ratios: medians of per-round ratios")
+    fwd = f"{'fwd MiB':>9}" if after else ""
+    print(f"{'variant':<36}{'step ms':>9}{against:>11}{'peak MiB':>10}{'peak x ours':>13}{fwd}{'compile s':>11}")
+    for name, taken in times.items():
+        ratio = statistics.median(a / b for a, b in zip(taken, times[others[0]]))
+        kept = f"{after[name] / 2**20:>9.2f}" if after else ""
+        print(f"{name:<36}{statistics.median(taken) * 1e3:>9.1f}{ratio:>11.3f}{peaks[name] / 2**20:>10.2f}"
+              f"{peaks[name] / peaks[ours]:>13.2f}{kept}{seconds[name]:>11.0f}")
+    for other in others:
         ratio = statistics.median(a / b for a, b in zip(times[ours], times[other]))
         print(f"{ours} / {other}: time {ratio:.3f}x, peak {peaks[ours] / peaks[other]:.2f}x")
-    return 0
 
 
 def main() -> int:

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 
 import torch
@@ -107,16 +106,7 @@ def main() -> int:
     amb, compiled_model, peak, took, _ = cc.matching_budget(model, batch, peaks[ours], args.tries)
     match = f"torch amb {amb}, compiled"
     runs[match], peaks[match], seconds[match] = (compiled_model, "no-ckpt"), peak, took
-    times = cc.interleaved(runs, batch, args.rounds)
-    print(f"\n{args.rounds} interleaved rounds; ratios: medians of per-round ratios")
-    print(f"{'variant':<36}{'step ms':>9}{'x respect':>11}{'peak MiB':>10}{'peak x ours':>13}{'compile s':>11}")
-    for name in runs:
-        ratio = statistics.median(a / b for a, b in zip(times[name], times[today]))
-        print(f"{name:<36}{statistics.median(times[name]) * 1e3:>9.1f}{ratio:>11.3f}{peaks[name] / MiB:>10.2f}"
-              f"{peaks[name] / peaks[ours]:>13.2f}{seconds[name]:>11.0f}")
-    for other in (today, match):
-        ratio = statistics.median(a / b for a, b in zip(times[ours], times[other]))
-        print(f"{ours} / {other}: time {ratio:.3f}x, peak {peaks[ours] / peaks[other]:.2f}x")
+    cc.side_by_side(cc.interleaved(runs, batch, args.rounds), peaks, seconds, ours, (today, match), "x respect")
     return 0
 
 

@@ -61,6 +61,16 @@ def backend(gm, inputs):
     graphs.append(sum(n.target is torch.ops.higher_order.tag_activation_checkpoint for n in gm.graph.nodes))
     return aot_eager(gm, inputs)
 
+def grads(run):  # of the script's `model` on its `x`
+    model.zero_grad(set_to_none=True)
+    run(x).square().sum().backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+def worst(errors, want):
+    """The largest difference of any run's gradients from ``want``, and the largest of ``want``."""
+    return (max((a - b).abs().max().item() for g in errors for a, b in zip(g, want)),
+            max(b.abs().max().item() for b in want))
+
 torch.manual_seed(0)
 '''
 

@@ -20,11 +20,6 @@ TOY = COMPILED_BLOCKS + '''
 model = nn.Sequential(nn.Linear(8, 8), *[Block(w) for w in (64, 32, 64, 16)]).double()
 x = torch.randn(64, 8, dtype=torch.float64)
 
-def grads(run):
-    model.zero_grad(set_to_none=True)
-    run(x).square().sum().backward()
-    return [p.grad.clone() for p in model.parameters()]
-
 with settings.checkpoint_policy_scope("never"):
     want = grads(model)
 errors, counts = [], []
@@ -43,8 +38,7 @@ with warnings.catch_warnings(record=True) as caught:
             counts.append(graphs[before:])
         plan = checkpoint_plan(model)
 ours = [str(w.message) for w in caught if "gradpatch" in str(w.message)]
-err = max((a - b).abs().max().item() for g in errors for a, b in zip(g, want))
-scale = max(b.abs().max().item() for b in want)
+err, scale = worst(errors, want)
 hooks = [len(m) for m in (model._forward_pre_hooks, model._forward_hooks, compiled._forward_pre_hooks,
                           compiled._forward_hooks)]
 print(json.dumps({"err": err, "scale": scale, "warnings": ours, "graphs": counts, "summary": plan.summary(),
@@ -151,8 +145,7 @@ with warnings.catch_warnings(record=True) as caught:
         peak = peak_and_end(lambda: step(compiled))[0]
         after = len(graphs) - before
 ours = [str(w.message) for w in caught if "gradpatch" in str(w.message) or "recompile" in str(w.message)]
-err = max((a - b).abs().max().item() for g in errors for a, b in zip(g, want))
-scale = max(b.abs().max().item() for b in want)
+err, scale = worst(errors, want)
 print(json.dumps({"err": err, "scale": scale, "warnings": ours, "graphs": graphs, "after": after,
                   "size": size, "peak": peak, "predicted": plan.predicted_peak, "summary": plan.summary(),
                   "plan": [e.recomputed for e in plan]}))
