@@ -26,7 +26,7 @@ from gradpatch.errors import NotDifferentiableError
 from gradpatch.sampling.generic import gradoff
 from gradpatch.sampling.generic.copy_on_write import CopyOnWrite
 from gradpatch.sampling.generic.coroutine import awaited
-from gradpatch.sampling.generic.unwatched import unwatched
+from gradpatch.sampling.generic.unwatched import Unwatched
 from gradpatch.sampling.run import SamplingRun, current, run_step
 from gradpatch.sampling.shadows import shadow
 from gradpatch.sampling.steps.odeint import stepped_odeint
@@ -131,7 +131,7 @@ class _Run:
         self.inside = True
         try:
             if self.watch_left == 0:
-                with unwatched(self.cow, hooks=not recomputed and not self.cow.acted):
+                with Unwatched(self.cow, hooks=not recomputed and not self.cow.acted):
                     out = run_step(index, self.total or 0, fn, *args, **kwargs)
             else:
                 recorded, acted = torch.is_grad_enabled() and index >= self.first, self.cow.acted

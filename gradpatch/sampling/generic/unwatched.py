@@ -14,31 +14,35 @@ is a later refill of a tensor an evaluation without the pack hook saved.
 """
 from __future__ import annotations
 
-import contextlib
-from typing import Iterator
-
 import torch
 
 from gradpatch.checkpointing.compat import top_saved_tensors_hooks
 from gradpatch.sampling.generic.copy_on_write import CopyOnWrite
 
 
-@contextlib.contextmanager
-def unwatched(cow: CopyOnWrite, hooks: bool) -> Iterator[None]:
+class Unwatched:
     """``cow``'s mode off for the block, where it is the innermost; with ``hooks``, its pack hook too,
-    where its pair is the innermost (torch 2.2 on: readable there)."""
-    depth = torch._C._len_torch_function_stack()
-    mode = depth > 0 and torch._C._get_function_stack_at(depth - 1) is cow
-    top = top_saved_tensors_hooks() if hooks and cow.pushed is not None else None
-    hooks = top is not None and cow.pushed is not None and top[0] is cow.pushed[0]
-    if mode:
-        torch.overrides._pop_mode()
-    if hooks:
-        torch._C._autograd._pop_saved_tensors_default_hooks()
-    try:
-        yield
-    finally:
-        if hooks:
-            torch._C._autograd._push_saved_tensors_default_hooks(*cow.pushed)  # type: ignore[misc]
-        if mode:
-            torch.overrides._push_mode(cow)
+    where its pair is the innermost (torch 2.2 on: readable there). A class, not a generator-based
+    context manager: it is entered once per step evaluation, where a generator's frame costs more than
+    the stack operations themselves."""
+
+    __slots__ = ("cow", "mode", "hooks")
+
+    def __init__(self, cow: CopyOnWrite, hooks: bool) -> None:
+        self.cow = cow
+        depth = torch._C._len_torch_function_stack()
+        self.mode = depth > 0 and torch._C._get_function_stack_at(depth - 1) is cow
+        top = top_saved_tensors_hooks() if hooks and cow.pushed is not None else None
+        self.hooks = top is not None and cow.pushed is not None and top[0] is cow.pushed[0]
+
+    def __enter__(self) -> None:
+        if self.mode:
+            torch._C._pop_torch_function_stack()
+        if self.hooks:
+            torch._C._autograd._pop_saved_tensors_default_hooks()
+
+    def __exit__(self, *exc: object) -> None:
+        if self.hooks:
+            torch._C._autograd._push_saved_tensors_default_hooks(*self.cow.pushed)  # type: ignore[misc]
+        if self.mode:
+            torch._C._push_on_torch_function_stack(self.cow)
