@@ -309,19 +309,8 @@ def main() -> int:
             matched.append((variant, f"compile mem {budget}"))
 
     variants = ["respect", target, "never", *(v for v, _ in matched), *models]
-    times: dict[str, list[float]] = {v: [] for v in variants}
-    order, rng = list(variants), random.Random(0)
-    for r in range(args.rounds + 1):
-        rng.shuffle(order)
-        for variant in order:
-            if variant in models:
-                with speed.use("no-ckpt"):
-                    elapsed = speed.step(models[variant], batch)
-            else:
-                with speed.use(variant):
-                    elapsed = speed.step(model, batch)
-            if r:
-                times[variant].append(elapsed)
+    times = interleaved({v: (models[v], "no-ckpt") if v in models else (model, v) for v in variants}, batch,
+                        args.rounds)
     print(f"\n{args.rounds} interleaved rounds; ratios: medians of per-round ratios to respect")
     print(f"{'variant':<22}{'step ms':>9}{'x respect':>11}{'MiB beyond respect':>20}{'x gradpatch 50%':>17}")
     for variant in variants:
