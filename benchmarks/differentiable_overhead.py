@@ -23,14 +23,21 @@ call), the saved-tensor hooks (one Python call per tensor saved), the copy-on-wr
 overwritten buffers and the call's own setup; the tiny rows are where it shows most. ``--mode-floor``
 adds a ``no-op mode`` row under each MLP row: the hand-written sampler run under a
 ``__torch_function__`` mode that only calls through, and its ratio to the sampler alone. It is what
-intercepting every torch call costs by itself, the floor of any design that does.
+intercepting every torch call costs by itself, the floor of any design that does. ``--anatomy`` adds,
+under each MLP row and against the sampler as written, the call with copy on write's parts taken out
+(benchmark-only variants, never offered: this sampler writes into no tensor it saved, so its gradients
+stay right; one that did would fail in backward): ``no mode`` (its ``__torch_function__`` mode never on
+the stack), ``no pack hook`` (its saved-tensor hooks never pushed) and ``neither``, what is left being
+the call's own setup and its per-step routing.
 
     python benchmarks/differentiable_overhead.py [--dims 64 256 1024] [--steps 16] [--pairs 15]
         [--flows s3gen s3gen-tiny matcha-tiny] [--frames 50] [--flow-steps 10] [--flow-pairs 5] [--mode-floor]
+        [--anatomy]
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 from typing import Any, Callable
@@ -147,6 +154,40 @@ def under_call_through(run: Callable[[], Any]) -> Callable[[], Any]:
     return wrapped
 
 
+@contextlib.contextmanager
+def without(mode: bool, hooks: bool):
+    """Benchmark-only (``--anatomy``): copy on write's mode and/or pack hook taken out of every call."""
+    from gradpatch.sampling.generic.copy_on_write import CopyOnWrite
+
+    enter, exit_, pushed = CopyOnWrite.__enter__, CopyOnWrite.__exit__, CopyOnWrite.hooks
+
+    def enter_without_mode(self):
+        out = enter(self)
+        torch._C._pop_torch_function_stack()
+        return out
+
+    def exit_without_mode(self, *exc):
+        torch._C._push_on_torch_function_stack(self)
+        return exit_(self, *exc)
+
+    if mode:
+        CopyOnWrite.__enter__, CopyOnWrite.__exit__ = enter_without_mode, exit_without_mode
+    if hooks:
+        CopyOnWrite.hooks = lambda self: contextlib.nullcontext()
+    try:
+        yield
+    finally:
+        CopyOnWrite.__enter__, CopyOnWrite.__exit__, CopyOnWrite.hooks = enter, exit_, pushed
+
+
+def taken_out(run: Callable[[], Any], mode: bool, hooks: bool) -> Callable[[], Any]:
+    def wrapped() -> Any:
+        with without(mode, hooks):
+            return run()
+
+    return wrapped
+
+
 def timed(run: Callable[[], Any]) -> float:
     start = time.thread_time()  # one thread (set_num_threads(1)); CPU backward runs in the calling thread
     out = run()
@@ -188,6 +229,8 @@ def main() -> None:
     parser.add_argument("--flow-pairs", type=int, default=5)
     parser.add_argument("--mode-floor", action="store_true",
                         help="also time the hand-written MLP sampler under a call-through __torch_function__ mode")
+    parser.add_argument("--anatomy", action="store_true",
+                        help="also time the MLP calls without copy on write's mode, pack hook, or both (unsafe)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     print(f"{'sampler':>14}  {'by hand (ms)':>12}  {'differentiable (ms)':>19}  {'ratio':>6}", flush=True)
@@ -201,6 +244,10 @@ def main() -> None:
         runs["body"] = lambda: Solver.forward.__wrapped__(solver, mu, noise, args.steps)
         if args.mode_floor:
             runs["floor"] = under_call_through(runs["hand"])
+        parts = {"no mode": (True, False), "no pack hook": (False, True), "neither": (True, True)}
+        if args.anatomy:
+            for name, (mode, hooks) in parts.items():
+                runs[name] = taken_out(runs["ours"], mode, hooks)
         times = compare(runs, args.pairs, [mu, *solver.parameters()])
         row(f"mlp {dim}", *against_hand(times))
         body, ours, ratio = against_hand({"hand": times["body"], "ours": times["ours"]})
@@ -210,6 +257,11 @@ def main() -> None:
             _, floor, ratio = against_hand(times, "floor")
             print(f"{'no-op mode':>14}  {'':>12}  {1e3 * floor:>19.2f}  {ratio:>6.2f}  (by hand, under a call-through "
                   "__torch_function__ mode)", flush=True)
+        if args.anatomy:
+            for name in parts:
+                _, part, ratio = against_hand({"hand": times["body"], "ours": times[name]})
+                print(f"{name:>14}  {'':>12}  {1e3 * part:>19.2f}  {ratio:>6.2f}  (against the sampler as written; "
+                      "unsafe, see above)", flush=True)
     for flow in args.flows:
         upstream, model, kw, ref, inputs = flow_case(flow, args.frames)
         for key in inputs:
