@@ -13,7 +13,7 @@ import functools
 import os
 import re
 import threading
-from contextvars import ContextVar
+from contextvars import ContextVar, Token
 from typing import Any, Iterator
 
 CHECKPOINT_POLICIES = ("respect", "always", "never")
@@ -182,27 +182,38 @@ def set_strict(value: bool) -> bool:
     return _set_process_wide("strict", bool(value))
 
 
-@contextlib.contextmanager
-def scope(**values: Any) -> Iterator[None]:
+class scope:
     """Override settings (``checkpoint_policy``, ``strict``) in this context only, for the ``with``
     block. The context is the thread or asyncio task that enters the block: other threads, and
-    threads started inside it, keep the process-wide values; nested scopes stack."""
-    unknown = set(values) - set(_SCOPABLE)
-    if unknown:
-        raise TypeError(f"settings that can be scoped: {', '.join(_SCOPABLE)}; not {', '.join(sorted(unknown))}")
-    with _lock:
-        for name in values:
-            if _scopes[name] == 0:
-                _process[name] = globals()[name]
-                del globals()[name]  # reads now reach __getattr__
-            _scopes[name] += 1
-    token = _overrides.set({**_overrides.get(), **values})
-    try:
-        yield
-    finally:
-        _overrides.reset(token)
+    threads started inside it, keep the process-wide values; nested scopes stack. Each is entered once.
+    (A class, not a generator-based context manager: gradpatch enters one around every checkpointed
+    sampler step's evaluation and again around its recompute.)"""
+
+    __slots__ = ("values", "token")
+
+    def __init__(self, **values: Any) -> None:
+        unknown = set(values) - set(_SCOPABLE)
+        if unknown:
+            raise TypeError(f"settings that can be scoped: {', '.join(_SCOPABLE)}; not {', '.join(sorted(unknown))}")
+        self.values = values
+        self.token: Token[dict[str, Any]] | None = None
+
+    def __enter__(self) -> None:
+        if self.token is not None:
+            raise RuntimeError("a settings.scope is entered once; make another for another block")
         with _lock:
-            for name in values:
+            for name in self.values:
+                if _scopes[name] == 0:
+                    _process[name] = globals()[name]
+                    del globals()[name]  # reads now reach __getattr__
+                _scopes[name] += 1
+        self.token = _overrides.set({**_overrides.get(), **self.values})
+
+    def __exit__(self, *exc: Any) -> None:
+        assert self.token is not None
+        _overrides.reset(self.token)
+        with _lock:
+            for name in self.values:
                 _scopes[name] -= 1
                 if _scopes[name] == 0:
                     globals()[name] = _process.pop(name)

@@ -7,12 +7,11 @@ shadows that act only where a ``cache=False`` call is active.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 import threading
 import types
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 # Instance-attribute shadows. One shadow per (object, name) is shared by concurrent calls (reference
 # counted) and acts only in contexts where a cache=False call is active: another thread sampling the
@@ -32,29 +31,54 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_reset_lock_in_child)
 
 
-@contextlib.contextmanager
-def shadow(obj: object, name: str, make: Callable[[Any], Any]) -> Iterator[None]:
+class shadow:
     """``obj.<name>`` is ``make(<its value>)`` for the block: an instance attribute, put back (or
-    removed) when the last concurrent user leaves, unless someone replaced it meanwhile."""
-    key, hide = (id(obj), name), name != "__getstate__" and not isinstance(obj, (types.ModuleType, type))
-    with shadow(obj, "__getstate__", functools.partial(_OwnState, obj)) if hide else contextlib.nullcontext():
-        with _lock:
-            entry = _shadows.get(key)
-            if entry is None:
-                own = vars(obj)
-                installed = make(getattr(obj, name, None) if name == "__getstate__" else getattr(obj, name))
-                entry = _shadows[key] = [0, name in own, own.get(name), installed]
-                object.__setattr__(obj, name, installed)
-            entry[0] += 1
+    removed) when the last concurrent user leaves, unless someone replaced it meanwhile. Each is
+    entered once. (A class, not a generator-based context manager: a checkpointed sampler step's
+    recompute enters its call's shadows again.)"""
+
+    __slots__ = ("obj", "name", "make", "state", "entry")
+
+    def __init__(self, obj: object, name: str, make: Callable[[Any], Any]) -> None:
+        self.obj, self.name, self.make = obj, name, make
+        hide = name != "__getstate__" and not isinstance(obj, (types.ModuleType, type))
+        self.state = shadow(obj, "__getstate__", functools.partial(_OwnState, obj)) if hide else None
+        self.entry: list[Any] | None = None
+
+    def __enter__(self) -> None:
+        if self.entry is not None:
+            raise RuntimeError("a shadow is entered once; make another for another block")
+        obj, name = self.obj, self.name
+        if self.state is not None:
+            self.state.__enter__()
         try:
-            yield
-        finally:
+            with _lock:
+                entry = _shadows.get((id(obj), name))
+                if entry is None:
+                    own = vars(obj)
+                    installed = self.make(getattr(obj, name, None) if name == "__getstate__" else getattr(obj, name))
+                    entry = _shadows[(id(obj), name)] = [0, name in own, own.get(name), installed]
+                    object.__setattr__(obj, name, installed)
+                entry[0] += 1
+        except BaseException:
+            if self.state is not None:
+                self.state.__exit__(None, None, None)
+            raise
+        self.entry = entry
+
+    def __exit__(self, *exc: object) -> None:
+        obj, name, entry = self.obj, self.name, self.entry
+        assert entry is not None
+        try:
             with _lock:
                 entry[0] -= 1
                 if entry[0] == 0:
-                    del _shadows[key]
+                    del _shadows[(id(obj), name)]
                     if vars(obj).get(name) is entry[3]:  # else someone replaced it meanwhile: theirs stays
                         object.__setattr__(obj, name, entry[2]) if entry[1] else object.__delattr__(obj, name)
+        finally:
+            if self.state is not None:
+                self.state.__exit__(*exc)
 
 
 class _OwnState:

@@ -125,7 +125,10 @@ def overriding_classes(values: Any, depth: int = 0) -> frozenset[type]:
     lists and dicts three levels down) that define their own ``train`` or ``eval``: a LoRA layer's
     ``train()`` merges or unmerges weights, so the sampler's ``eval()`` must not reach it."""
     if isinstance(values, torch.nn.Module):
-        return frozenset(k for m in values.modules() for k in type(m).__mro__
+        # Most modules' classes define neither: two cached class lookups tell, before a walk of the MRO.
+        train, eval_ = torch.nn.Module.train, torch.nn.Module.eval
+        return frozenset(k for m in values.modules() if type(m).train is not train or type(m).eval is not eval_
+                         for k in type(m).__mro__
                          if k is not torch.nn.Module and ("train" in vars(k) or "eval" in vars(k)))
     found: frozenset[type] = frozenset()
     if depth < 3 and isinstance(values, (tuple, list)):

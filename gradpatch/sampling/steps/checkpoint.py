@@ -53,6 +53,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from gradpatch.checkpointing.compat import autocast_dtype, autocast_enabled
+from gradpatch.settings import scope
 from gradpatch.sampling.steps import generators
 from gradpatch.checkpointing.sharding import engine_loaded
 from gradpatch.checkpointing.checkpoint import ESCAPED, fast_path
@@ -232,8 +233,6 @@ def _flat_call(fn: Callable[..., Any], structure: list[Any], *args: Any, **kwarg
 def _inner_plain() -> Any:
     """gradpatch's fixed checkpoints inside the evaluation run their blocks plainly: the step is
     recomputed as a whole, so a block checkpoint inside it would recompute a second time."""
-    from gradpatch.settings import scope
-
     return scope(checkpoint_policy="never")
 
 
