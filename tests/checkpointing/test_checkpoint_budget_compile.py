@@ -25,7 +25,11 @@ with warnings.catch_warnings(record=True) as caught:
         if EAGER_FIRST:  # measured and planned eagerly
             for _ in range(3):
                 errors.append(grads(model))
-        compiled = torch.compile(model, backend=backend, fullgraph=FULLGRAPH, dynamic=DYNAMIC)
+        if IN_PLACE:  # model.compile(): its compiled call set aside while the plan is made
+            model.compile(backend=backend, fullgraph=FULLGRAPH, dynamic=DYNAMIC)
+            compiled = model
+        else:
+            compiled = torch.compile(model, backend=backend, fullgraph=FULLGRAPH, dynamic=DYNAMIC)
         for _ in range(7):  # measured on eager steps (the first one compiled, every block recomputed)
             before = len(graphs)
             errors.append(grads(compiled))
@@ -34,23 +38,27 @@ with warnings.catch_warnings(record=True) as caught:
 ours = [str(w.message) for w in caught if "torch.compile" in str(w.message)]
 err, scale = worst(errors, want)
 print(json.dumps({"err": err, "scale": scale, "warnings": ours, "graphs": counts,
-                  "plan": [e.recomputed for e in plan]}))
+                  "plan": [e.recomputed for e in plan], "hooks": len(model._forward_pre_hooks),
+                  "compiled_call": getattr(model, "_compiled_call_impl", None) is not None}))
 '''
 
 
-def _run(policy: str, eager_first: bool, fullgraph: bool, dynamic: bool = False) -> dict:
+def _run(policy: str, eager_first: bool, fullgraph: bool, dynamic: bool = False, in_place: bool = False) -> dict:
     code = (SCRIPT.replace("POLICY", json.dumps(policy)).replace("EAGER_FIRST", str(eager_first))
-            .replace("FULLGRAPH", str(fullgraph)).replace("DYNAMIC", str(dynamic)))
+            .replace("FULLGRAPH", str(fullgraph)).replace("DYNAMIC", str(dynamic)).replace("IN_PLACE", str(in_place)))
     return last_json(run_python(code, timeout=600))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("eager_first, fullgraph", [(False, False), (True, True)])
-def test_budget_plans_compiled_blocks_with_exact_gradients(eager_first, fullgraph):
+@pytest.mark.parametrize("eager_first, fullgraph, in_place", [(False, False, False), (True, True, False),
+                                                          (False, False, True)])
+def test_budget_plans_compiled_blocks_with_exact_gradients(eager_first, fullgraph, in_place):
     # 64 x width float64 activations: 32, 16, 32 and 8 KiB kept by the blocks (less the RNG state
-    # the checkpoint keeps): 40 KiB keeps some blocks, not all.
-    result = _run("budget:40KiB", eager_first, fullgraph)
+    # the checkpoint keeps): 40 KiB keeps some blocks, not all. A model compiled in place
+    # (model.compile()) has its compiled call back once planned, and no hook of the plan's left.
+    result = _run("budget:40KiB", eager_first, fullgraph, in_place=in_place)
     assert result["err"] <= 1e-12 * result["scale"], result
+    assert result["compiled_call"] is in_place and result["hooks"] == 0, result
     assert result["warnings"] == []
     recomputed = result["plan"]
     assert len(recomputed) == 4 and 0 < sum(recomputed) < 4, recomputed  # planned: some kept

@@ -20,9 +20,10 @@ not used stays on the stack, passing ops through, until the root's call returns 
 
 Under ``torch.compile(model)`` the root is the compiled wrapper, whose hooks run before dynamo: the
 recording's dispatch mode is then on the stack, and dynamo runs the frames it meets under a dispatch
-mode eagerly, so the step is recorded whole. A model compiled in place (``model.compile()``) runs its
-hooks inside the compiled code: they do nothing there (:mod:`~gradpatch.checkpointing.budget.peak`
-says what happens then).
+mode eagerly, so the step is recorded whole. A model compiled in place (``model.compile()``) would run
+its hooks inside the compiled code, where they can do nothing: while its plan is made, its compiled
+call is set aside (torch's ``Module._compiled_call_impl``), so that its steps run eagerly, hooks first,
+and put back when the hooks go; the next call compiles it anew with the plan.
 
 Under either policy, while a compiled model's plan is made (:func:`eager_from_root` at trace time,
 :func:`eager_steps` at a graph break), the root's pre-hook pushes :class:`EagerSteps` where it pushes
@@ -50,6 +51,9 @@ _state: dict[str, Any] = {"planning": False, "eager": None, "early": None, "thre
 #: The hooked roots, several where models take turns (a GAN's two): id -> (weak reference, the pre-hook's
 #: handle or None once removed, the forward hook's handle).
 _ROOTS: dict[int, tuple[Any, Any, Any]] = {}
+#: Models compiled in place whose compiled call is set aside while a plan is made: id -> (weak reference,
+#: the compiled call).
+_ASIDE: dict[int, tuple[Any, Any]] = {}
 _callback: Any
 try:
     from torch._C._dynamo.eval_frame import get_eval_frame_callback as _callback
@@ -96,13 +100,14 @@ def eager_from_root(unplanned: Callable[[], bool]) -> bool:
     """Whether the compiled call's root (the outermost module call on the stack, outside the compiled
     code) runs the next steps eagerly while ``unplanned()`` (:class:`EagerSteps` pushed by its hooks,
     which run before dynamo): at trace time, this step's blocks may then be traced recomputed, without
-    a graph break. Not for a model compiled in place, whose hooks run in the compiled code (nothing
-    outside its call would take the mode off: graph breaks per block)."""
+    a graph break. A model compiled in place has its compiled call set aside meanwhile (module
+    docstring)."""
     root = _root()
-    if root is None or getattr(root, "_compiled_call_impl", None) is not None:
+    if root is None:
         return False
     _state["eager"], _state["thread"] = unplanned, threading.get_ident()
     _hook(root)
+    _set_aside(root)
     return True
 
 
@@ -131,11 +136,15 @@ def release(early: timeline.Recording | None) -> None:
 
 
 def compiled_in_place(inside_compiled: bool) -> bool:
-    """Whether this step's root runs its hooks inside compiled code (``model.compile()``), or a block
-    runs in compiled code (``inside_compiled``) outside any module: no recording can begin before
-    the step's forward."""
+    """Whether a block runs in compiled code (``inside_compiled``) outside any module: no recording can
+    begin before a step's forward. A root compiled in place (``model.compile()``, compiled mid-plan) has
+    its compiled call set aside here: its next steps run eagerly, hooks first (module docstring)."""
     root = _root()
-    return getattr(root, "_compiled_call_impl", None) is not None or inside_compiled and root is None
+    if root is not None and getattr(root, "_compiled_call_impl", None) is not None:
+        _hook(root)
+        _set_aside(root)
+        return False
+    return inside_compiled and root is None
 
 
 def inside_compiled_call() -> bool:
@@ -171,6 +180,21 @@ def _hook(root: torch.nn.Module) -> None:
         _remove(id(root))
     _ROOTS[id(root)] = (weakref.ref(root), root.register_forward_pre_hook(_pre, prepend=True),
                         root.register_forward_hook(_post, always_call=True))
+
+
+def _set_aside(root: torch.nn.Module) -> None:
+    """``model.compile()``'s compiled call kept aside (:data:`_ASIDE`): the model's calls run eagerly."""
+    compiled_call = getattr(root, "_compiled_call_impl", None)
+    if compiled_call is not None:
+        _ASIDE[id(root)] = (weakref.ref(root), compiled_call)
+        root._compiled_call_impl = None
+
+
+def _put_back(key: int) -> None:
+    entry = _ASIDE.pop(key, None)
+    root = None if entry is None else entry[0]()
+    if root is not None and getattr(root, "_compiled_call_impl", None) is None:  # (else the user's since)
+        root._compiled_call_impl = entry[1]  # type: ignore[index]
 
 
 def _eager() -> bool:
@@ -255,6 +279,7 @@ def _unhook() -> None:
     for key, (ref, pre, post) in list(_ROOTS.items()):
         if pre is not None:
             pre.remove()
+        _put_back(key)
         if _state["pushed"] is None:
             post.remove()
             del _ROOTS[key]
@@ -267,3 +292,4 @@ def _remove(key: int) -> None:
     if pre is not None:
         pre.remove()
     post.remove()
+    _put_back(key)

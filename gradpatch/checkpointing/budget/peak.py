@@ -31,7 +31,9 @@ the step recorded again. Offloading to the CPU is not among the choices: use
 
 Under torch.compile the plan's steps run eagerly, then it is compiled in, the compiled step unmeasured
 (:mod:`~gradpatch.checkpointing.budget.traced`; one warning); a model compiled in place
-(``model.compile()``) has no step recorded: every block recomputed, with one warning.
+(``model.compile()``) too, its compiled call set aside meanwhile
+(:mod:`~gradpatch.checkpointing.budget.forward_start`). A compiled function that calls the model's
+layers itself has no step recorded: every block recomputed, with one warning.
 """
 from __future__ import annotations
 
