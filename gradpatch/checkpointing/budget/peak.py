@@ -29,11 +29,9 @@ kept. When even recomputing every block peaks above ``<size>``, the next checkpo
 the step recorded again. Offloading to the CPU is not among the choices: use
 ``torch.autograd.graph.save_on_cpu`` around the step, which the fixed checkpoint composes with.
 
-Under torch.compile the plan's steps run eagerly, then it is compiled in, the compiled step unmeasured
-(:mod:`~gradpatch.checkpointing.budget.traced`; one warning); a model compiled in place
-(``model.compile()``) too, its compiled call set aside meanwhile
-(:mod:`~gradpatch.checkpointing.budget.forward_start`). A compiled function that calls the model's
-layers itself has no step recorded: every block recomputed, with one warning.
+Under torch.compile (``model.compile()`` too: :mod:`~gradpatch.checkpointing.budget.forward_start`) the
+plan's steps run eagerly, then it is compiled in, the compiled step unmeasured (one warning). A compiled
+function that calls the model's layers itself has no step recorded: every block recomputed, one warning.
 """
 from __future__ import annotations
 
