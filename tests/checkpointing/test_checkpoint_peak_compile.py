@@ -5,7 +5,7 @@ from the forward's start, the recording's dispatch mode making dynamo run the st
 then the model is compiled anew, whole, with each block kept or recomputed as the plan says. Gradients
 equal a float64 reference without checkpoint over every parameter at every step. A model compiled in
 place (``model.compile()``) has its compiled call set aside while the plan is made, and put back. A
-compiled function that calls the model's layers itself runs the step inside compiled code, where no step
+compiled function that calls the model (or its layers) runs the step inside compiled code, where no step
 can be recorded: one warning, every block recomputed. Fresh interpreters: dynamo's caches start empty, the
 warnings are once per process."""
 from __future__ import annotations
@@ -31,6 +31,8 @@ with warnings.catch_warnings(record=True) as caught:
         if HOW == "in place":
             model.compile(backend=backend)
             compiled = model
+        elif HOW == "function":
+            compiled = torch.compile(lambda inputs: model(inputs), backend=backend)
         elif HOW == "forwards":  # each layer's forward called directly: no module call on the stack
             compiled = torch.compile(lambda inputs: model[4].forward(model[3].forward(model[2].forward(
                 model[1].forward(model[0].forward(inputs))))), backend=backend)
@@ -104,11 +106,15 @@ def test_peak_planning_begun_eagerly_goes_on_compiled(eager_steps, how):
 
 
 @pytest.mark.slow
-def test_peak_in_a_compiled_function_calling_the_layers_recomputes_every_block_with_one_warning():
-    """A compiled function that calls the model's layers' ``forward`` itself runs the step's blocks inside
-    compiled code with no module call outside it: no step can be recorded from its forward's start. One
-    warning says so and what to do; every block is recomputed; the plan's report says why."""
-    result = _toy("peak:140KiB", "forwards")
+@pytest.mark.parametrize("how", ["function", "forwards"])
+def test_peak_in_a_compiled_function_recomputes_every_block_with_one_warning(how):
+    """A compiled function that calls the model (``torch.compile(lambda x: model(x))``) runs the model's
+    call inside compiled code, where its hooks would run; one that calls the layers' ``forward`` itself
+    has no module call outside the compiled code. No step can be recorded from its forward's start: one
+    warning says so and what to do; every block is recomputed; the plan's report says why; nothing of the
+    plan's left on the model (before, the function calling the model had the plan's hooks left on it,
+    and no warning)."""
+    result = _toy("peak:140KiB", how)
     assert result["err"] <= 1e-12 * result["scale"], result
     (message,) = result["warnings"]
     assert "cannot record a step that begins inside compiled code" in message and "torch.compile(model)" in message

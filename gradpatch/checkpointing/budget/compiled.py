@@ -85,7 +85,7 @@ def unrecorded(policy: str) -> None:
         return
     _state["unrecorded"] = True
     warnings.warn(f"gradpatch: checkpoint policy {policy!r} cannot record a step that begins inside "
-                  "compiled code (a compiled function that calls the model's layers, not the model; or "
-                  "checkpointed blocks called outside any module): they are recomputed, as under 'respect'. "
+                  "compiled code (a compiled function that calls the model or its layers, or checkpointed "
+                  "blocks called outside any module): they are recomputed, as under 'respect'. "
                   "Compile the model with torch.compile(model) instead, or run its first steps eagerly "
                   "(they make the plan, which is then compiled in)", ConfigWarning, stacklevel=5)

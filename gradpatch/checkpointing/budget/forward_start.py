@@ -3,20 +3,16 @@
 begin to run eagerly.
 
 A step's peak counts from what was allocated when its forward began, but ``peak:`` learns that a step
-began at its first checkpointed block's call, after the layers before it ran: their activations, and
-under FSDP the root's all-gather buffers and the next unit's prefetch, would go unseen. So while a plan
-is made (:func:`planning`), the first block's call looks up the outermost module call under way (the
-model, or the DDP or FSDP wrapper around it: the step's root) and puts a forward pre-hook first on it
-and a forward hook: each later call of the root starts a recording
-(:func:`gradpatch.checkpointing.budget.timeline.start`) before anything else runs, FSDP's all-gather
-included. The step's first block takes it (:func:`take`), to be the step's recording or dropped if
-this step is not recorded; a call of the root that returns without having run one (a validation
-forward) drops it. The hooks are the root's own (torch's global module hooks would make
+began at its first checkpointed block's call, after the layers before it ran (their activations, FSDP's
+all-gather buffers and prefetch). So while a plan is made (:func:`planning`), the first block's call
+looks up the outermost module call under way (the model, or its DDP or FSDP wrapper: the step's root)
+and puts a forward pre-hook first on it and a forward hook: each later call of the root starts a
+recording (:func:`gradpatch.checkpointing.budget.timeline.start`) before anything else runs. The step's
+first block takes it (:func:`take`), or it is dropped (a step not recorded; a root's call that ran no
+block, a validation forward), staying on the stack, passing ops through, until the root's call returns
+(:func:`release`). The hooks are the root's own (torch's global module hooks would make
 ``torch.compile`` warn) and go when the plan is made. A step whose first block is called outside any
 module call begins at that block, as without this.
-
-A root's call starts a recording only where the step is to be recorded (every block measured); one
-not used stays on the stack, passing ops through, until the root's call returns (:func:`release`).
 
 Under ``torch.compile(model)`` the root is the compiled wrapper, whose hooks run before dynamo: the
 recording's dispatch mode is then on the stack, and dynamo runs the frames it meets under a dispatch
@@ -51,9 +47,7 @@ _state: dict[str, Any] = {"planning": False, "eager": None, "early": None, "thre
 #: The hooked roots, several where models take turns (a GAN's two): id -> (weak reference, the pre-hook's
 #: handle or None once removed, the forward hook's handle).
 _ROOTS: dict[int, tuple[Any, Any, Any]] = {}
-#: Models compiled in place whose compiled call is set aside while a plan is made: id -> (weak reference,
-#: the compiled call).
-_ASIDE: dict[int, tuple[Any, Any]] = {}
+_ASIDE: dict[int, tuple[Any, Any]] = {}  # models compiled in place, set aside: id -> (weak ref, compiled call)
 _callback: Any
 try:
     from torch._C._dynamo.eval_frame import get_eval_frame_callback as _callback
@@ -160,16 +154,27 @@ def steps_eager() -> bool:
 
 
 def _root() -> torch.nn.Module | None:
-    """The module of the outermost module call on this thread's stack."""
+    """The module of the outermost module call on this thread's stack; None where that call runs inside
+    a compiled function (``torch.compile(lambda x: model(x))``), whose code its hooks would run in."""
     frame: FrameType | None = sys._getframe(2)
-    root = None
+    root, compiled = None, False
     while frame is not None:
         if frame.f_code in _CALLS:
             module = frame.f_locals.get("self")
             if isinstance(module, torch.nn.Module):
-                root = module
+                root, compiled = module, False
+        elif root is not None and not compiled:
+            compiled = _compiled_call(frame)
         frame = frame.f_back
-    return root
+    return None if compiled else root
+
+
+def _compiled_call(frame: FrameType) -> bool:
+    """Whether ``frame`` is torch.compile's wrapper calling a compiled function (not ``torch._dynamo.disable``'s)."""
+    module = sys.modules.get("torch._dynamo.eval_frame")
+    context = frame.f_locals.get("self") if module and frame.f_code.co_filename == module.__file__ else None
+    return isinstance(context, getattr(module, "_TorchDynamoContext", ())) and \
+        not isinstance(context, getattr(module, "DisableContext", ()))
 
 
 def _hook(root: torch.nn.Module) -> None:

@@ -31,7 +31,7 @@ the step recorded again. Offloading to the CPU is not among the choices: use
 
 Under torch.compile (``model.compile()`` too: :mod:`~gradpatch.checkpointing.budget.forward_start`) the
 plan's steps run eagerly, then it is compiled in, the compiled step unmeasured (one warning). A compiled
-function that calls the model's layers itself has no step recorded: every block recomputed, one warning.
+function that calls the model (or its layers) has no step recorded: every block recomputed, one warning.
 """
 from __future__ import annotations
 

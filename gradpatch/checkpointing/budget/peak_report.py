@@ -38,7 +38,7 @@ def report(model: torch.nn.Module | None, policy: str) -> Plan:
         plan.policy, plan.budget = policy, settings.peak_bytes(policy)
         if PEAK.unrecorded:
             plan.unrecorded = ("no step can be recorded (it begins inside compiled code: a compiled function "
-                               "that calls the model's layers; compile the model itself, torch.compile(model))")
+                               "that calls the model; compile the model itself, torch.compile(model))")
         if planned:
             plan.smallest_peak, plan.largest_peak = PEAK.floor, PEAK.ceiling
             # Once the plan's first step is recorded, its peak is the prediction for the next steps.
