@@ -101,7 +101,6 @@ def eager_from_root(unplanned: Callable[[], bool]) -> bool:
         return False
     _state["eager"], _state["thread"] = unplanned, threading.get_ident()
     _hook(root)
-    _set_aside(root)
     return True
 
 
@@ -129,14 +128,13 @@ def release(early: timeline.Recording | None) -> None:
         timeline.stop(early, pop=False)
 
 
-def compiled_in_place(inside_compiled: bool) -> bool:
+def unrecordable(inside_compiled: bool) -> bool:
     """Whether a block runs in compiled code (``inside_compiled``) outside any module: no recording can
-    begin before a step's forward. A root compiled in place (``model.compile()``, compiled mid-plan) has
-    its compiled call set aside here: its next steps run eagerly, hooks first (module docstring)."""
+    begin before a step's forward. A root compiled in place (``model.compile()``, compiled mid-plan) is
+    hooked here, its compiled call set aside: its next steps run eagerly, hooks first."""
     root = _root()
     if root is not None and getattr(root, "_compiled_call_impl", None) is not None:
         _hook(root)
-        _set_aside(root)
         return False
     return inside_compiled and root is None
 
@@ -157,34 +155,35 @@ def _root() -> torch.nn.Module | None:
     """The module of the outermost module call on this thread's stack; None where that call runs inside
     a compiled function (``torch.compile(lambda x: model(x))``), whose code its hooks would run in."""
     frame: FrameType | None = sys._getframe(2)
+    dynamo = sys.modules.get("torch._dynamo.eval_frame")  # (nothing is compiled before it is imported)
     root, compiled = None, False
     while frame is not None:
         if frame.f_code in _CALLS:
             module = frame.f_locals.get("self")
             if isinstance(module, torch.nn.Module):
                 root, compiled = module, False
-        elif root is not None and not compiled:
-            compiled = _compiled_call(frame)
+        elif root is not None and not compiled and dynamo is not None:
+            compiled = frame.f_code.co_filename == dynamo.__file__ and _compiling(frame.f_locals.get("self"), dynamo)
         frame = frame.f_back
     return None if compiled else root
 
 
-def _compiled_call(frame: FrameType) -> bool:
-    """Whether ``frame`` is torch.compile's wrapper calling a compiled function (not ``torch._dynamo.disable``'s)."""
-    module = sys.modules.get("torch._dynamo.eval_frame")
-    context = frame.f_locals.get("self") if module and frame.f_code.co_filename == module.__file__ else None
-    return isinstance(context, getattr(module, "_TorchDynamoContext", ())) and \
-        not isinstance(context, getattr(module, "DisableContext", ()))
+def _compiling(context: Any, dynamo: Any) -> bool:
+    """Whether ``context``, of a frame of dynamo's ``eval_frame``, is torch.compile's (not ``torch._dynamo.disable``'s)."""
+    return isinstance(context, getattr(dynamo, "_TorchDynamoContext", ())) and \
+        not isinstance(context, getattr(dynamo, "DisableContext", ()))
 
 
 def _hook(root: torch.nn.Module) -> None:
+    """The root's hooks, and its compiled call set aside if it is compiled in place (where its hooks
+    would run in compiled code and do nothing), until the hooks go (:func:`_unhook`, :func:`_remove`)."""
     entry = _ROOTS.get(id(root))
-    if entry is not None and entry[0]() is root and entry[1] is not None:
-        return
-    if entry is not None:  # (another module at a dead one's id, or the pre-hook already removed)
-        _remove(id(root))
-    _ROOTS[id(root)] = (weakref.ref(root), root.register_forward_pre_hook(_pre, prepend=True),
-                        root.register_forward_hook(_post, always_call=True))
+    if entry is None or entry[0]() is not root or entry[1] is None:
+        if entry is not None:  # (another module at a dead one's id, or the pre-hook already removed)
+            _remove(id(root))
+        _ROOTS[id(root)] = (weakref.ref(root), root.register_forward_pre_hook(_pre, prepend=True),
+                            root.register_forward_hook(_post, always_call=True))
+    _set_aside(root)
 
 
 def _set_aside(root: torch.nn.Module) -> None:

@@ -282,7 +282,7 @@ def _recordable(policy: str, early: timeline.Recording | None, inside_compiled: 
     """Whether the step can be recorded from this, its first block's call. Not from inside compiled
     code (a recording's dispatch mode begun there would be left with the Python key off): recorded from
     the next step's start, where the root runs outside, else never (every block recomputed)."""
-    if forward_start.compiled_in_place(inside_compiled):
+    if forward_start.unrecordable(inside_compiled):
         PEAK.unrecorded = True  # compiled anew with every block recomputed (traced.solved)
         forward_start.planning(False)
         compiled.unrecorded(policy)
