@@ -258,7 +258,7 @@ def run_step(step: int, total: int, fn: Callable[..., T], *args: Any, **kwargs: 
         run.regions.on_close()
     if run.window is not None:
         args, kwargs = run.window.detached((args, kwargs))
-    run.close_window(f"gradpatch (grad_steps={options.grad_steps}, step {step} of {total})")
+        run.close_window(f"gradpatch (grad_steps={options.grad_steps}, step {step} of {total})")
     if run.cut:  # a step at or after N-K whose predecessor did not end the cut (steps skipped)
         torch._C._set_grad_enabled(True)
         run.cut = False

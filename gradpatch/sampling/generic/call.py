@@ -132,7 +132,7 @@ class _Run:
         try:
             if self.watch_left == 0:
                 with Unwatched(self.cow, hooks=not recomputed and not self.cow.acted):
-                    out = run_step(index, self.total or 0, fn, *args, **kwargs)
+                    return clean(run_step(index, self.total or 0, fn, *args, **kwargs))  # clean: no mode to ask
             else:
                 recorded, acted = torch.is_grad_enabled() and index >= self.first, self.cow.acted
                 out = run_step(index, self.total or 0, fn, *args, **kwargs)

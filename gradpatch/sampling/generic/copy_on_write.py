@@ -193,22 +193,22 @@ class CopyOnWrite(TorchFunctionMode):
         return self._handled(func, kind, args, kwargs or {})
 
     def _handled(self, func: Any, kind: str, args: tuple, kwargs: dict) -> Any:
-        if kind == "numpy" and args and isinstance(args[0], torch.Tensor) and args[0].requires_grad:
-            frame = sys._getframe(2)
-            raise NotDifferentiableError(
-                f"gradpatch.differentiable: .numpy() at {frame.f_code.co_filename}:{frame.f_lineno} takes the result "
-                "out of torch, where gradients cannot follow. Differentiate the tensor before the conversion "
-                "(call the part of the sampler that returns it)")
-        name = getattr(func, "__name__", "")
-        if kind == "augmented" and args and isinstance(args[0], torch.Tensor) and args[0].is_leaf \
-                and args[0].requires_grad and torch.is_grad_enabled():
-            self.acted += 1
-            return getattr(torch.Tensor, _AUGMENTED[name])(*args, **kwargs)  # x += v: rebinds x, out of place
-        if args and kind in ("augmented", "write"):
-            self._protect(args[0])
-            target = args[0]
-            if not torch.is_grad_enabled() and isinstance(target, torch.Tensor) and target.requires_grad \
-                    and target._base is None and getattr(sampling_run.current.get(), "cut", False):
+        target = args[0] if args else None
+        if kind == "numpy":
+            if isinstance(target, torch.Tensor) and target.requires_grad:
+                frame = sys._getframe(2)
+                raise NotDifferentiableError(
+                    f"gradpatch.differentiable: .numpy() at {frame.f_code.co_filename}:{frame.f_lineno} takes the "
+                    "result out of torch, where gradients cannot follow. Differentiate the tensor before the "
+                    "conversion (call the part of the sampler that returns it)")
+        elif kind != _PLAIN and isinstance(target, torch.Tensor):  # a write (item assignment, x += v, a *_ method) into target
+            grad = torch.is_grad_enabled()
+            if kind == "augmented" and target.is_leaf and target.requires_grad and grad:
+                self.acted += 1
+                return getattr(torch.Tensor, _AUGMENTED[func.__name__])(*args, **kwargs)  # x += v: rebinds x
+            self._protect(target)
+            if not grad and target.requires_grad and target._base is None \
+                    and getattr(sampling_run.current.get(), "cut", False):
                 self.acted += 1
                 target.detach_()  # grad_steps: a state updated in place in an early step leaves the graph
         out = kwargs.get("out")
@@ -252,8 +252,8 @@ def _foreign(pack: Callable[..., Any], unpack: Callable[..., Any]) -> bool:
 
 
 def _push(pack: Callable[..., Any], unpack: Callable[..., Any]) -> None:
-    cow = _active.get()
-    if cow is not None and _foreign(pack, unpack):
+    cow = _active.get()  # the call's own pair, pushed back after each unwatched evaluation, passes as it is
+    if cow is not None and (cow.pushed is None or pack is not cow.pushed[0]) and _foreign(pack, unpack):
         pack, unpack = cow.compose(pack, unpack)
     _pushes[0](pack, unpack)
 

@@ -32,8 +32,9 @@ class Unwatched:
         self.cow = cow
         depth = torch._C._len_torch_function_stack()
         self.mode = depth > 0 and torch._C._get_function_stack_at(depth - 1) is cow
-        top = top_saved_tensors_hooks() if hooks and cow.pushed is not None else None
-        self.hooks = top is not None and cow.pushed is not None and top[0] is cow.pushed[0]
+        pushed = cow.pushed if hooks else None
+        top = top_saved_tensors_hooks() if pushed is not None else None
+        self.hooks = top is not None and top[0] is pushed[0]  # type: ignore[index]
 
     def __enter__(self) -> None:
         if self.mode:
