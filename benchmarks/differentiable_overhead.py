@@ -28,7 +28,8 @@ under each MLP row and against the sampler as written, the call with copy on wri
 (benchmark-only variants, never offered: this sampler writes into no tensor it saved, so its gradients
 stay right; one that did would fail in backward): ``no mode`` (its ``__torch_function__`` mode never on
 the stack), ``no pack hook`` (its saved-tensor hooks never pushed) and ``neither``, what is left being
-the call's own setup and its per-step routing.
+the call's own setup and its per-step routing; under each flow row too, against the hand-written loop (a
+variant that fails in backward, as Chatterbox's refills do without copy on write, says so).
 
     python benchmarks/differentiable_overhead.py [--dims 64 256 1024] [--steps 16] [--pairs 15]
         [--flows s3gen s3gen-tiny matcha-tiny] [--frames 50] [--flow-steps 10] [--flow-pairs 5] [--mode-floor]
@@ -234,6 +235,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     print(f"{'sampler':>14}  {'by hand (ms)':>12}  {'differentiable (ms)':>19}  {'ratio':>6}", flush=True)
+    parts = {"no mode": (True, False), "no pack hook": (False, True), "neither": (True, True)}
     for dim in args.dims:
         torch.manual_seed(0)
         solver = Solver(dim)
@@ -244,7 +246,6 @@ def main() -> None:
         runs["body"] = lambda: Solver.forward.__wrapped__(solver, mu, noise, args.steps)
         if args.mode_floor:
             runs["floor"] = under_call_through(runs["hand"])
-        parts = {"no mode": (True, False), "no pack hook": (False, True), "neither": (True, True)}
         if args.anatomy:
             for name, (mode, hooks) in parts.items():
                 runs[name] = taken_out(runs["ours"], mode, hooks)
@@ -270,7 +271,24 @@ def main() -> None:
         with gradpatch.applied(upstream):
             runs = {"hand": lambda: ref(model, n, **kw), "ours": lambda: model(**kw, n_timesteps=n, cache=False)}
             pairs = args.pairs if "tiny" in flow else args.flow_pairs
-            row(flow, *against_hand(compare(runs, pairs, [*(kw[key] for key in inputs), *model.parameters()])))
+            failing = {}
+            if args.anatomy:
+                for name, (mode, hooks) in parts.items():
+                    runs[name] = taken_out(runs["ours"], mode, hooks)
+                    try:  # a sampler that writes into what it saved (Chatterbox's refills) fails without them
+                        timed(runs[name])
+                    except RuntimeError as error:
+                        failing[name] = str(error).split(".")[0]
+                        del runs[name]
+            times = compare(runs, pairs, [*(kw[key] for key in inputs), *model.parameters()])
+            row(flow, *against_hand(times))
+            for name in parts if args.anatomy else ():
+                if name in failing:
+                    print(f"{name:>14}  fails in backward: {failing[name][:60]}...", flush=True)
+                else:
+                    _, part, ratio = against_hand(times, name)
+                    print(f"{name:>14}  {'':>12}  {1e3 * part:>19.2f}  {ratio:>6.2f}  (against the hand-written "
+                          "sampler; unsafe, see above)", flush=True)
 
 
 if __name__ == "__main__":
