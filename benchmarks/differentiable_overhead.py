@@ -12,7 +12,8 @@ Flow-matching rows (``--flows``), the catalogued samplers through their patched 
 copied by hand with its blockers removed (no decorator, the CFG batch built with ``torch.cat``):
 ``s3gen``, Chatterbox's S3Gen decoder (chatterbox-tts: ``CausalConditionalCFM`` with the causal
 ``ConditionalDecoder`` at the size ``S3Token2Mel`` builds, 71 M parameters, random weights), on
-``--frames`` mel frames; ``s3gen-tiny``, the same classes at 16 channels
+``--frames`` mel frames; ``matcha``, Matcha-TTS's ``CFM`` at the size its LJSpeech recipe builds (decoder
+channels 256, 256, random weights), on ``--frames`` rounded down to a multiple of 4; ``s3gen-tiny``, the same classes at 16 channels
 (:func:`gradpatch.testing_flow.chatterbox_cfm`, what the tests run); ``matcha-tiny``, Matcha-TTS's
 ``CFM`` (matcha-tts, :func:`gradpatch.testing_flow.matcha_cfm`: no in-place refills, so only the
 call's machinery). ``--flow-steps`` Euler steps (Chatterbox's default is 10).
@@ -32,7 +33,7 @@ the call's own setup and its per-step routing; under each flow row too, against 
 variant that fails in backward, as Chatterbox's refills do without copy on write, says so).
 
     python benchmarks/differentiable_overhead.py [--dims 64 256 1024] [--steps 16] [--pairs 15]
-        [--flows s3gen s3gen-tiny matcha-tiny] [--frames 50] [--flow-steps 10] [--flow-pairs 5] [--mode-floor]
+        [--flows s3gen matcha s3gen-tiny matcha-tiny] [--frames 50] [--flow-steps 10] [--flow-pairs 5] [--mode-floor]
         [--anatomy]
 """
 from __future__ import annotations
@@ -46,6 +47,7 @@ from typing import Any, Callable
 import torch
 
 import gradpatch
+from flow_samplers import flow_case  # noqa: E402  (the sibling script: the flow rows' samplers)
 
 
 class Estimator(torch.nn.Module):
@@ -81,63 +83,6 @@ def reference(solver, mu, noise, n):
         v, u = solver.estimator(torch.cat([x, x]), torch.cat([mu, torch.zeros_like(mu)])).chunk(2)
         x = x + (1.7 * v - 0.7 * u) / n
     return x
-
-
-def s3gen_reference(model: Any, n: int, mu: Any, mask: Any, spks: Any, cond: Any) -> Any:
-    """``CausalConditionalCFM.forward`` + ``ConditionalCFM.solve_euler`` (chatterbox-tts 0.1.7), out of place."""
-    x, rate, zero = torch.randn_like(mu), model.inference_cfg_rate, torch.zeros_like
-    t_span = 1 - torch.cos(torch.linspace(0, 1, n + 1) * 0.5 * torch.pi)
-    for t, r in zip(t_span[:-1], t_span[1:]):
-        t, r = t[None], r[None]
-        out = model.estimator.forward(x=torch.cat([x, x]), mask=torch.cat([mask, mask]), mu=torch.cat([mu, zero(mu)]),
-                                      t=torch.cat([t, t]), spks=torch.cat([spks, zero(spks)]),
-                                      cond=torch.cat([cond, zero(cond)]), r=None)
-        v, v_uncond = out.chunk(2)
-        x = x + (r - t) * ((1 + rate) * v - rate * v_uncond)
-    return x
-
-
-def matcha_reference(model: Any, n: int, mu: Any, mask: Any) -> Any:
-    """``BASECFM.forward`` + ``BASECFM.solve_euler`` (matcha-tts 0.0.7.2), without the decorator."""
-    x = torch.randn_like(mu)
-    t_span = torch.linspace(0, 1, n + 1)
-    t, dt = t_span[0], t_span[1] - t_span[0]
-    for step in range(1, n + 1):
-        x = x + dt * model.estimator(x, mask, mu, t, None, None)
-        t = t + dt
-        if step < n:
-            dt = t_span[step + 1] - t
-    return x
-
-
-def s3gen_full(frames: int) -> tuple[torch.nn.Module, dict[str, Any]]:
-    """Chatterbox's S3Gen decoder as ``S3Token2Mel`` builds it (chatterbox-tts 0.1.7), random weights."""
-    from chatterbox.models.s3gen.configs import CFM_PARAMS
-    from chatterbox.models.s3gen.decoder import ConditionalDecoder
-    from chatterbox.models.s3gen.flow_matching import CausalConditionalCFM
-
-    torch.manual_seed(0)
-    estimator = ConditionalDecoder(in_channels=320, out_channels=80, causal=True, channels=[256], dropout=0.0,
-                                   attention_head_dim=64, n_blocks=4, num_mid_blocks=12, num_heads=8, act_fn="gelu")
-    model = CausalConditionalCFM(in_channels=240, cfm_params=CFM_PARAMS, n_spks=1, spk_emb_dim=80,
-                                 estimator=estimator).eval()
-    g = torch.Generator().manual_seed(1)
-    kw = dict(mu=torch.randn(1, 80, frames, generator=g), mask=torch.ones(1, 1, frames),
-              spks=torch.randn(1, 80, generator=g), cond=torch.randn(1, 80, frames, generator=g))
-    return model, kw
-
-
-def flow_case(name: str, frames: int) -> tuple[str, torch.nn.Module, dict[str, Any], Callable[..., Any], tuple]:
-    """``(upstream, model, kw, reference, inputs that require grad)``."""
-    from gradpatch import testing_flow
-
-    if name == "s3gen":
-        return ("chatterbox", *s3gen_full(frames), s3gen_reference, ("mu", "spks", "cond"))
-    if name == "s3gen-tiny":
-        return ("chatterbox", *testing_flow.chatterbox_cfm(frames=frames), s3gen_reference, ("mu", "spks", "cond"))
-    if name == "matcha-tiny":
-        return ("matcha", *testing_flow.matcha_cfm(), matcha_reference, ("mu",))
-    raise SystemExit(f"unknown flow {name!r}")
 
 
 class CallThrough(torch.overrides.TorchFunctionMode):
@@ -224,7 +169,7 @@ def main() -> None:
     parser.add_argument("--dims", type=int, nargs="*", default=[64, 256, 1024])
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--pairs", type=int, default=15)
-    parser.add_argument("--flows", nargs="*", default=["s3gen-tiny", "matcha-tiny", "s3gen"])
+    parser.add_argument("--flows", nargs="*", default=["s3gen-tiny", "matcha-tiny", "s3gen", "matcha"])
     parser.add_argument("--frames", type=int, default=50)
     parser.add_argument("--flow-steps", type=int, default=10)
     parser.add_argument("--flow-pairs", type=int, default=5)
