@@ -47,7 +47,7 @@ from typing import Any, Callable
 import torch
 
 import gradpatch
-from flow_samplers import flow_case  # noqa: E402  (the sibling script: the flow rows' samplers)
+from flow_samplers import flow_case  # the sibling script: the flow rows' samplers
 
 
 class Estimator(torch.nn.Module):
