@@ -28,9 +28,9 @@ lookup decides that a call writes nothing), and every tensor saved for backward 
 (a parameter saved again at each step is held once); the step's evaluations after its first two, where
 copy on write had nothing to do, run without them (:mod:`gradpatch.sampling.generic.unwatched`).
 ``benchmarks/differentiable_overhead.py`` (CPU, one thread, forward + backward against the hand-written
-reference) measured 1.7x for a width-64 MLP (16 Euler steps, batch 8), 1.2x at width 256, 1.04x at
-width 1024, 1.24x and 1.20x on Chatterbox's and Matcha's tiny decoders and 1.05x on Chatterbox's S3Gen
-decoder at its real size (10 steps, 50 frames).
+reference) measured 1.5x for a width-64 MLP (16 Euler steps, batch 8), 1.2x at width 256, 1.04x at
+width 1024, 1.23x and 1.17x on Chatterbox's and Matcha's tiny decoders, and at the sizes upstream builds
+(10 steps, 100 frames) 1.06x on Chatterbox's S3Gen decoder and 0.99x on Matcha's.
 """
 from __future__ import annotations
 
