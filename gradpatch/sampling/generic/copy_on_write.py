@@ -201,7 +201,7 @@ class CopyOnWrite(TorchFunctionMode):
                     f"gradpatch.differentiable: .numpy() at {frame.f_code.co_filename}:{frame.f_lineno} takes the "
                     "result out of torch, where gradients cannot follow. Differentiate the tensor before the "
                     "conversion (call the part of the sampler that returns it)")
-        elif kind != _PLAIN and isinstance(target, torch.Tensor):  # a write (item assignment, x += v, a *_ method) into target
+        elif kind != _PLAIN and isinstance(target, torch.Tensor):  # a write into target: x[i] = v, x += v, x.add_(v)
             grad = torch.is_grad_enabled()
             if kind == "augmented" and target.is_leaf and target.requires_grad and grad:
                 self.acted += 1
@@ -252,7 +252,8 @@ def _foreign(pack: Callable[..., Any], unpack: Callable[..., Any]) -> bool:
 
 
 def _push(pack: Callable[..., Any], unpack: Callable[..., Any]) -> None:
-    cow = _active.get()  # the call's own pair, pushed back after each unwatched evaluation, passes as it is
+    cow = _active.get()
+    # The call's own pair, pushed back after each unwatched evaluation, passes as it is.
     if cow is not None and (cow.pushed is None or pack is not cow.pushed[0]) and _foreign(pack, unpack):
         pack, unpack = cow.compose(pack, unpack)
     _pushes[0](pack, unpack)

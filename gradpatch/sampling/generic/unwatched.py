@@ -34,7 +34,7 @@ class Unwatched:
         self.mode = depth > 0 and torch._C._get_function_stack_at(depth - 1) is cow
         pushed = cow.pushed if hooks else None
         top = top_saved_tensors_hooks() if pushed is not None else None
-        self.hooks = top is not None and top[0] is pushed[0]  # type: ignore[index]
+        self.hooks = pushed is not None and top is not None and top[0] is pushed[0]
 
     def __enter__(self) -> None:
         if self.mode:
