@@ -19,6 +19,10 @@ Rows:
   ``peak:`` rows start from a reset planner (``budget.reset()``) and run 3 warm-up steps (the policy measures its blocks
   during its first steps), then print ``gradpatch.checkpoint_plan()``'s summary; a plan with a
   ``predicted_peak`` attribute gives the row's predicted peak.
+* ``torch checkpoint`` and ``torch selective`` (``--no-torch-rows`` leaves them out): every block through
+  ``torch.utils.checkpoint(use_reentrant=False)``, and through it with a selective-checkpoint policy that
+  keeps the outputs of the matmuls, convolutions and attention (:data:`EXPENSIVE`) and recomputes the
+  rest: what ``peak:`` would run for a block it kept only partly.
 * ``sac_ilp <size>``: torch's ``torch.distributed._tools.sac_ilp.sac_milp`` plan for a step peak of
   ``<size>`` above the parameters (its budget is that plus the parameters' bytes), made from
   ``MemTracker``, ``SACEstimator`` and the modules' order on the real model and applied with
@@ -70,6 +74,13 @@ allocator peak; ``peak:`` predicted, then allocator / MemTracker, time over ``ne
 * medium UNet, batch 8 (``--steps 7``): at 82.5 ``budget:`` 82.5 / 84.5, 1.193; ``peak:`` 79.9,
   80.0 / 82.0, 1.085. At 85.0: 85.0 / 87.0, 1.100; ``peak:`` 81.4, 81.5 / 83.5, 1.075. At 95.3:
   95.3 / 95.8, 1.052; ``peak:`` 92.1, 93.2 / 92.2, 1.032.
+
+``torch checkpoint`` and ``torch selective`` rows, ``--no-sac --steps 7``, load below 1:
+
+* medium UNet, batch 8: ``respect`` 78.8 / 80.9, 1.335; ``torch checkpoint`` 78.7 / 80.9, 1.328;
+  ``torch selective`` 87.0 / 88.4, 1.281; ``peak:85.0MiB`` 81.5 / 83.5, 1.066.
+* AudioLDM-S at 32 channels, batch 1: ``respect`` 102.2 / 103.9, 1.237; ``torch checkpoint`` 101.8 /
+  103.6, 1.258; ``torch selective`` 181.0 / 180.9, 1.295; ``peak:187.4MiB`` 181.5 / 180.5, 1.069.
 """
 from __future__ import annotations
 
@@ -108,6 +119,30 @@ FIXED = fixed.replace_checkpoint(speed.V1)
 def direct(func: Callable, inputs: tuple, params: Any, flag: bool) -> Any:
     """The model's checkpoint calls under a ``sac_ilp`` plan: the function, run directly."""
     return func(*inputs)
+
+
+#: The operators whose outputs the ``torch selective`` row keeps (torch's usual choice).
+EXPENSIVE = frozenset(getattr(torch.ops.aten, name) for name in (
+    "mm", "addmm", "bmm", "baddbmm", "convolution", "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention") if hasattr(torch.ops.aten, name))
+
+
+def _expensive_saved(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.MUST_SAVE if op.overloadpacket in EXPENSIVE else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def torch_checkpoint(selective: bool) -> Callable:
+    """The model's checkpoint calls through ``torch.utils.checkpoint(use_reentrant=False)``; ``selective``:
+    with a selective-checkpoint policy keeping the :data:`EXPENSIVE` operators' outputs in every block."""
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+    context = {"context_fn": lambda: create_selective_checkpoint_contexts(_expensive_saved)} if selective else {}
+
+    def run(func: Callable, inputs: tuple, params: Any, flag: bool) -> Any:
+        return checkpoint(func, *inputs, use_reentrant=False, **context) if flag else func(*inputs)
+    return run
 
 
 @dataclass
@@ -264,6 +299,8 @@ def main() -> None:
                         "(the model 0, out 1, input_blocks.4 2, input_blocks.4.0 3); default: any module")
     parser.add_argument("--no-peak-rows", action="store_true",
                         help="no peak:<size> rows at the sac_ilp sizes")
+    parser.add_argument("--no-torch-rows", action="store_true",
+                        help="no rows for torch's checkpoint and its selective checkpoint on every block")
     parser.add_argument("--no-sac", action="store_true", help="no sac_ilp rows (its solver takes minutes)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     args = parser.parse_args()
@@ -279,6 +316,9 @@ def main() -> None:
 
     rows = [Row("never", policy="never"), Row("respect", policy="respect")]
     kept = {row.name: kept_after_forward(row, model, batch) for row in rows}
+    if not args.no_torch_rows:
+        rows += [Row("torch checkpoint", checkpoint=torch_checkpoint(False)),
+                 Row("torch selective", checkpoint=torch_checkpoint(True))]
     gap = kept["never"] - kept["respect"]
     rows += [gradpatch_row(f"budget:{float(f) * gap / MiB:.2f}MiB") for f in args.fractions.split(",") if f]
     for row in rows:
