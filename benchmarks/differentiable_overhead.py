@@ -164,6 +164,12 @@ def row(name: str, hand: float, ours: float, ratio: float) -> None:
     print(f"{name:>14}  {1e3 * hand:>12.2f}  {1e3 * ours:>19.2f}  {ratio:>6.2f}", flush=True)
 
 
+def part_row(name: str, base: float, part: float, ratio: float, against: str) -> None:
+    """A ``--anatomy`` row: the call with part of copy on write taken out, against ``against``."""
+    print(f"{name:>14}  {'':>12}  {1e3 * part:>19.2f}  {ratio:>6.2f}  (against {against}; unsafe, see above)",
+          flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dims", type=int, nargs="*", default=[64, 256, 1024])
@@ -176,7 +182,7 @@ def main() -> None:
     parser.add_argument("--mode-floor", action="store_true",
                         help="also time the hand-written MLP sampler under a call-through __torch_function__ mode")
     parser.add_argument("--anatomy", action="store_true",
-                        help="also time the MLP calls without copy on write's mode, pack hook, or both (unsafe)")
+                        help="also time the calls without copy on write's mode, pack hook, or both (unsafe)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     print(f"{'sampler':>14}  {'by hand (ms)':>12}  {'differentiable (ms)':>19}  {'ratio':>6}", flush=True)
@@ -203,11 +209,8 @@ def main() -> None:
             _, floor, ratio = against_hand(times, "floor")
             print(f"{'no-op mode':>14}  {'':>12}  {1e3 * floor:>19.2f}  {ratio:>6.2f}  (by hand, under a call-through "
                   "__torch_function__ mode)", flush=True)
-        if args.anatomy:
-            for name in parts:
-                _, part, ratio = against_hand({"hand": times["body"], "ours": times[name]})
-                print(f"{name:>14}  {'':>12}  {1e3 * part:>19.2f}  {ratio:>6.2f}  (against the sampler as written; "
-                      "unsafe, see above)", flush=True)
+        for name in parts if args.anatomy else ():
+            part_row(name, *against_hand({"hand": times["body"], "ours": times[name]}), "the sampler as written")
     for flow in args.flows:
         upstream, model, kw, ref, inputs = flow_case(flow, args.frames)
         for key in inputs:
@@ -231,9 +234,7 @@ def main() -> None:
                 if name in failing:
                     print(f"{name:>14}  fails in backward: {failing[name][:60]}...", flush=True)
                 else:
-                    _, part, ratio = against_hand(times, name)
-                    print(f"{name:>14}  {'':>12}  {1e3 * part:>19.2f}  {ratio:>6.2f}  (against the hand-written "
-                          "sampler; unsafe, see above)", flush=True)
+                    part_row(name, *against_hand(times, name), "the hand-written sampler")
 
 
 if __name__ == "__main__":

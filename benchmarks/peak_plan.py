@@ -77,10 +77,10 @@ allocator peak; ``peak:`` predicted, then allocator / MemTracker, time over ``ne
 
 ``torch checkpoint`` and ``torch selective`` rows, ``--no-sac --steps 7``, load below 1:
 
-* medium UNet, batch 8: ``respect`` 78.8 / 80.9, 1.335; ``torch checkpoint`` 78.7 / 80.9, 1.328;
-  ``torch selective`` 87.0 / 88.4, 1.281; ``peak:85.0MiB`` 81.5 / 83.5, 1.066.
-* AudioLDM-S at 32 channels, batch 1: ``respect`` 102.2 / 103.9, 1.237; ``torch checkpoint`` 101.8 /
-  103.6, 1.258; ``torch selective`` 181.0 / 180.9, 1.295; ``peak:187.4MiB`` 181.5 / 180.5, 1.069.
+* medium UNet, batch 8: ``respect`` 78.8 / 80.9, 1.368; ``torch checkpoint`` 78.7 / 80.9, 1.314;
+  ``torch selective`` 87.0 / 88.4, 1.346; ``peak:85.0MiB`` 81.5 / 83.5, 1.109.
+* AudioLDM-S at 32 channels, batch 1: ``respect`` 102.2 / 103.9, 1.386; ``torch checkpoint`` 101.8 /
+  103.6, 1.407; ``torch selective`` 181.0 / 180.9, 1.414; ``peak:151.1MiB`` 147.5 / 146.6, 1.147.
 """
 from __future__ import annotations
 
@@ -96,6 +96,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import torch
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import checkpoint_budget as cb  # noqa: E402,F401  (defines the "audioldm" model)
@@ -128,16 +129,12 @@ EXPENSIVE = frozenset(getattr(torch.ops.aten, name) for name in (
 
 
 def _expensive_saved(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
-    from torch.utils.checkpoint import CheckpointPolicy
-
     return CheckpointPolicy.MUST_SAVE if op.overloadpacket in EXPENSIVE else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def torch_checkpoint(selective: bool) -> Callable:
     """The model's checkpoint calls through ``torch.utils.checkpoint(use_reentrant=False)``; ``selective``:
     with a selective-checkpoint policy keeping the :data:`EXPENSIVE` operators' outputs in every block."""
-    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
-
     context = {"context_fn": lambda: create_selective_checkpoint_contexts(_expensive_saved)} if selective else {}
 
     def run(func: Callable, inputs: tuple, params: Any, flag: bool) -> Any:

@@ -18,7 +18,7 @@ chooses per block:
 Keeping only a block's matmul, convolution and attention outputs (torch's selective checkpoint) is not
 among the choices: on CPU its policy, a Python call per operator, takes back most of what it saves,
 and the bytes it keeps save more as whole blocks (``benchmarks/peak_plan.py``, medium UNet: every block
-selective 87.0 MiB at 1.28x ``never``; ``peak:85MiB`` 81.5 MiB at 1.07x).
+selective 87.0 MiB at 1.35x ``never``; ``peak:85MiB`` 81.5 MiB at 1.11x).
 
 A kept block's activations are alive from its forward to its backward, where a recomputed block holds
 the same activations again: keeping the last blocks of the forward costs little or no peak, keeping
